@@ -1,0 +1,24 @@
+# hvdtrain: `make demo` trains on the built-in dataset with 2 ranks; `make test` runs the suite.
+# Both run `make setup` first, which installs what is missing and takes seconds once done.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-unit clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) -m hvdtrain --config demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,148 @@
+"""The one module that talks to Horovod.
+
+Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_object(x)``,
+never ``hvd`` directly. Every collective here is correct at world size 1 as well, so the same
+code path runs a single process (no launcher) and a thousand ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import torch
+
+import horovod.torch as hvd
+
+Compression = hvd.Compression
+# Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
+CudaSyncBatchNorm = hvd.SyncBatchNorm
+
+
+def init() -> None:
+    """Initialize Horovod once (idempotent)."""
+    if not hvd.is_initialized():
+        hvd.init()
+
+
+def rank() -> int:
+    return hvd.rank()
+
+
+def size() -> int:
+    return hvd.size()
+
+
+def local_rank() -> int:
+    return hvd.local_rank()
+
+
+def local_size() -> int:
+    return hvd.local_size()
+
+
+def cross_size() -> int:
+    """Number of hosts taking part."""
+    return hvd.cross_size()
+
+
+def is_primary() -> bool:
+    return hvd.rank() == 0
+
+
+def controller() -> str:
+    """Which controller coordinates this job: "gloo" or "mpi"."""
+    if hvd.gloo_enabled():
+        return "gloo"
+    if hvd.mpi_enabled():
+        return "mpi"
+    return "unknown"
+
+
+def built() -> dict[str, bool]:
+    return {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built())}
+
+
+def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Sum over ranks; returns a new tensor."""
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
+
+def allreduce_mean(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    return hvd.allreduce(tensor, op=hvd.Average, name=name)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's tensor along dimension 0, in rank order."""
+    return hvd.allgather(tensor, name=name)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    return hvd.allgather_object(obj, name=name)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def barrier() -> None:
+    hvd.barrier()
+
+
+def broadcast_model(model: torch.nn.Module, root_rank: int = 0) -> None:
+    """Parameters and buffers (BatchNorm statistics included) from ``root_rank``, in place."""
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+
+
+def average_buffers(model: torch.nn.Module) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) across ranks, in place.
+
+    Without SyncBatchNorm each rank's running statistics follow its own shard; averaging them at
+    the end of an epoch gives every rank, and the checkpoint, one and the same model to evaluate.
+    """
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if size() > 1 and buffers:
+        hvd.grouped_allreduce_(buffers, op=hvd.Average, name="average_buffers")
+
+
+def broadcast_optimizer(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Optimizer state and hyper-parameters from ``root_rank``.
+
+    Horovod's ``broadcast_optimizer_state`` initializes an empty state with a zero-gradient
+    ``step()``, which applies weight decay to the parameters; sending the state dict as an
+    object avoids touching the parameters at all.
+    """
+    state = hvd.broadcast_object(optimizer.state_dict() if is_primary() else None, root_rank=root_rank,
+                                 name="optimizer_state")
+    if not is_primary():
+        optimizer.load_state_dict(state)
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+    compression: str,
+    backward_passes_per_step: int,
+    op: str,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that gradients are allreduced during backward."""
+    return hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=list(named_parameters),
+        compression=Compression.fp16 if compression == "fp16" else Compression.none,
+        backward_passes_per_step=backward_passes_per_step,
+        op=hvd.Adasum if op == "adasum" else hvd.Average,
+    )
+
+
+def launcher_env() -> dict[str, str]:
+    """The rank variables the launcher set, for diagnostics (horovodrun, mpirun or srun)."""
+    keys = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_RANK", "SLURM_PROCID",
+            "SLURM_NTASKS", "SLURM_LOCALID")
+    return {key: os.environ[key] for key in keys if key in os.environ}
+
+
+def shutdown() -> None:
+    if hvd.is_initialized():
+        hvd.shutdown()

@@ -1,0 +1,143 @@
+"""The training step, one training epoch and evaluation.
+
+Nothing here imports Horovod: the distributed optimizer and the cross-rank sum come in as
+arguments, so the loop reads the same at world size 1 and N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .data import DeviceNormalizer
+from .metrics import MetricSums
+from .optim import LRSchedule, set_lr
+
+AllreduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TrainState:
+    """What the loop needs, in one place; ``step`` counts optimizer steps over the whole run."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer  # a Horovod DistributedOptimizer
+    scaler: torch.amp.GradScaler | None
+    normalize: DeviceNormalizer
+    device: torch.device
+    lr_schedule: LRSchedule
+    amp_dtype: torch.dtype | None = None  # None = full precision
+    label_smoothing: float = 0.0
+    clip_grad_norm: float = 0.0
+    backward_passes_per_step: int = 1
+    step: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+
+def optimizer_step(state: TrainState) -> None:
+    """Apply the accumulated, allreduced gradients.
+
+    With a GradScaler the order is the only correct one for Horovod: wait for the allreduce
+    (``synchronize``), unscale the averaged gradients, clip, then step without a second
+    synchronization and update the scale. Every rank sees the same averaged gradients, so every
+    rank takes the same decision to skip a step on inf/NaN.
+    """
+    optimizer, scaler = state.optimizer, state.scaler
+    if scaler is not None or state.clip_grad_norm > 0:
+        optimizer.synchronize()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if state.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.clip_grad_norm)
+        with optimizer.skip_synchronize():
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if scaler is not None:
+            scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def train_one_epoch(
+    state: TrainState,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    allreduce_sum: AllreduceSum,
+    on_step: Callable[[TrainState, int], None] | None = None,
+) -> dict[str, float]:
+    """Run ``steps`` optimizer steps (each over ``backward_passes_per_step`` batches).
+
+    Returns global metrics: loss, top1, top5, samples, seconds, images_per_sec, lr and
+    data_wait_fraction (time spent waiting for the next batch over the epoch's wall time,
+    averaged over ranks).
+    """
+    model, device = state.model, state.device
+    model.train()
+    sums = MetricSums()
+    passes = state.backward_passes_per_step
+    iterator: Iterator = iter(batches)
+    data_seconds = 0.0
+    start = time.perf_counter()
+    lr = state.lr_schedule(state.step)
+    for step_in_epoch in range(steps):
+        lr = state.lr_schedule(state.step)
+        set_lr(state.optimizer, lr)
+        for _ in range(passes):
+            fetch_start = time.perf_counter()
+            images, targets = next(iterator)
+            images = state.normalize(images)
+            targets = targets.to(device, non_blocking=True)
+            data_seconds += time.perf_counter() - fetch_start
+            with state.autocast():
+                logits = model(images)
+                loss = F.cross_entropy(logits, targets, label_smoothing=state.label_smoothing)
+            sums.add(loss.detach(), logits.detach(), targets)
+            scaled = loss / passes
+            if state.scaler is not None:
+                state.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        optimizer_step(state)
+        state.step += 1
+        if on_step is not None:
+            on_step(state, step_in_epoch)
+    seconds = time.perf_counter() - start
+    metrics = sums.reduced(allreduce_sum)
+    wait = allreduce_sum(torch.tensor([data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
+    metrics.update(seconds=seconds, lr=lr, images_per_sec=metrics["samples"] / max(seconds, 1e-9),
+                   data_wait_fraction=float(wait[0] / wait[1]))
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(state: TrainState, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+             allreduce_sum: AllreduceSum) -> dict[str, float]:
+    """Exact loss, top-1 and top-5 over the whole split: sums of this rank's shard, then summed."""
+    model = state.model
+    model.eval()
+    sums = MetricSums()
+    start = time.perf_counter()
+    for images, targets in batches:
+        images = state.normalize(images)
+        targets = targets.to(state.device, non_blocking=True)
+        with state.autocast():
+            logits = model(images)
+        loss = F.cross_entropy(logits.float(), targets)
+        sums.add(loss, logits, targets)
+    seconds = time.perf_counter() - start
+    metrics = sums.reduced(allreduce_sum)
+    metrics.update(seconds=seconds, images_per_sec=metrics["samples"] / max(seconds, 1e-9))
+    return metrics

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Idempotent installer for hvdtrain: Debian packages, a virtual environment with pinned
+# torch/torchvision, and Horovod 0.28.1 built from its sdist with the C++17 patch.
+#
+# A second run compares a stamp (hash of this script, the patch and the pins) and only
+# re-checks `horovodrun --check-build`, so it takes seconds.
+#
+# Environment knobs (all optional):
+#   HVDTRAIN_VENV=DIR          where the virtual environment lives (default: <repo>/.venv)
+#   HVDTRAIN_GPU_OPS=auto|nccl|none
+#                              auto (default) builds NCCL ops when a CUDA toolkit and NCCL are found
+#   HVDTRAIN_SYSTEM_TORCH=1    reuse a torch already installed in the base Python (GPU images that
+#                              ship their own torch); the venv then sees system site-packages
+#   HVDTRAIN_KEEP_PIP_CONFIG=1 keep this machine's pip configuration (default: ignore it, so that the
+#                              registry's CUDA build of torch is installed, not a local CPU-only wheel)
+#   HVDTRAIN_SKIP_APT=1        never call apt-get (the packages must already be there)
+#   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry)
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${HVDTRAIN_VENV:-$repo/.venv}
+python=${PYTHON:-python3}
+gpu_ops=${HVDTRAIN_GPU_OPS:-auto}
+patch_file=$repo/third_party/horovod-0.28.1-cxx17.patch
+horovod_version=0.28.1
+horovod_sha256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
+cache=${HVDTRAIN_CACHE:-$repo/.cache/setup}
+jobs=$(nproc 2>/dev/null || echo 2)
+
+# Pins. torch/torchvision are the registry's CUDA builds: there is no CPU-only torchvision wheel,
+# and the CUDA build runs fine on machines without a GPU.
+torch_pins=(torch==2.13.0 torchvision==0.28.0)
+python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy==2.4.6 pillow==13.0.0
+             matplotlib==3.11.2 pytest==9.2.0 cloudpickle psutil packaging cffi setuptools wheel)
+
+log() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+stamp_file=$venv/.hvdtrain-setup.stamp
+stamp=$(cat "$0" "$patch_file" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}
+
+check_build() {
+    local out
+    out=$("$venv/bin/horovodrun" --check-build 2>&1) || { echo "$out"; return 1; }
+    for needed in PyTorch MPI Gloo; do
+        grep -q "\[X\] $needed" <<<"$out" || { echo "$out"; echo "missing: $needed"; return 1; }
+    done
+    echo "$out"
+}
+
+if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]] && check_build >/dev/null 2>&1; then
+    log "already set up ($venv); horovodrun --check-build shows PyTorch, MPI and Gloo"
+    exit 0
+fi
+
+# --- Debian packages --------------------------------------------------------------------------
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch openssh-client openssh-server
+              procps iproute2 python3-venv python3-dev)
+missing=()
+for pkg in "${apt_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    if [[ -n ${HVDTRAIN_SKIP_APT:-} ]]; then
+        die "missing Debian packages: ${missing[*]} (HVDTRAIN_SKIP_APT is set; install them first)"
+    fi
+    sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo="sudo"
+    log "installing Debian packages: ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+command -v mpirun >/dev/null || die "mpirun not found after installing openmpi-bin"
+
+# --- virtual environment ---------------------------------------------------------------------
+if [[ ! -x $venv/bin/python ]]; then
+    log "creating virtual environment $venv"
+    venv_args=()
+    [[ -n ${HVDTRAIN_SYSTEM_TORCH:-} ]] && venv_args+=(--system-site-packages)
+    "$python" -m venv "${venv_args[@]}" "$venv"
+fi
+vpy=$venv/bin/python
+if [[ -z ${HVDTRAIN_KEEP_PIP_CONFIG:-} ]]; then
+    export PIP_CONFIG_FILE=/dev/null
+    unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_install() { "$vpy" -m pip install -q "$@"; }
+
+if [[ -n ${HVDTRAIN_SYSTEM_TORCH:-} ]]; then
+    "$vpy" -c 'import torch, torchvision' 2>/dev/null || die "HVDTRAIN_SYSTEM_TORCH is set but torch/torchvision do not import"
+    pip_install "${python_pins[@]}"
+else
+    log "installing ${torch_pins[*]} and Python packages"
+    pip_install "${torch_pins[@]}" "${python_pins[@]}"
+fi
+pip_install --no-deps --no-build-isolation -e "$repo"
+
+# --- Horovod -----------------------------------------------------------------------------------
+installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
+if [[ $installed_horovod != "$horovod_version" ]] || ! check_build >/dev/null 2>&1; then
+    mkdir -p "$cache"
+    sdist=${HOROVOD_SDIST:-$cache/horovod-$horovod_version.tar.gz}
+    if [[ ! -f $sdist ]]; then
+        log "downloading the horovod $horovod_version sdist"
+        "$vpy" -m pip download -q --no-deps --no-binary :all: "horovod==$horovod_version" -d "$cache"
+    fi
+    echo "$horovod_sha256  $sdist" | sha256sum -c --quiet - || die "checksum mismatch for $sdist"
+    src=$cache/src
+    rm -rf "$src" && mkdir -p "$src"
+    tar -xzf "$sdist" -C "$src"
+    src=$src/horovod-$horovod_version
+    log "applying $(basename "$patch_file")"
+    patch -d "$src" -p1 --quiet <"$patch_file"
+
+    build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+               HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS=-j$jobs)
+    # NCCL ops need the CUDA toolkit headers and NCCL; torch's CUDA wheels bring NCCL along.
+    cuda_home=${CUDA_HOME:-}
+    [[ -z $cuda_home && -x /usr/local/cuda/bin/nvcc ]] && cuda_home=/usr/local/cuda
+    torch_cuda=$("$vpy" -c 'import torch; print(torch.version.cuda or "")')
+    nccl_home=${HOROVOD_NCCL_HOME:-}
+    if [[ -z $nccl_home ]]; then
+        nccl_home=$("$vpy" - <<'EOF'
+import importlib.util, pathlib
+spec = importlib.util.find_spec("nvidia.nccl")
+if spec and spec.submodule_search_locations:
+    print(pathlib.Path(list(spec.submodule_search_locations)[0]))
+EOF
+)
+    fi
+    want_nccl=0
+    case $gpu_ops in
+        nccl) want_nccl=1 ;;
+        auto) [[ -n $cuda_home && -n $torch_cuda && -n $nccl_home ]] && want_nccl=1 ;;
+        none) ;;
+        *) die "HVDTRAIN_GPU_OPS must be auto, nccl or none, not '$gpu_ops'" ;;
+    esac
+    if ((want_nccl)); then
+        [[ -n $cuda_home && -n $nccl_home ]] || die "HVDTRAIN_GPU_OPS=nccl needs CUDA_HOME and NCCL (HOROVOD_NCCL_HOME)"
+        # The wheel ships only libnccl.so.2; CMake's FindNCCL looks for libnccl.so.
+        [[ -e $nccl_home/lib/libnccl.so || ! -e $nccl_home/lib/libnccl.so.2 ]] || ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
+        build_env+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=$nccl_home HOROVOD_NCCL_LINK=SHARED
+                    CUDA_HOME=$cuda_home CUDAToolkit_ROOT=$cuda_home HOROVOD_CUDA_HOME=$cuda_home
+                    PATH=$cuda_home/bin:$PATH)
+        log "building horovod $horovod_version with NCCL ops (CUDA $torch_cuda, $cuda_home, NCCL $nccl_home)"
+    else
+        # Keep CMake from picking up a stray toolkit: a CPU build must not need one.
+        build_env+=(HOROVOD_WITHOUT_GLOO_CUDA=1 HOROVOD_GPU_OPERATIONS= CUDAToolkit_ROOT=/nonexistent)
+        log "building horovod $horovod_version for CPU (Gloo + MPI; no CUDA toolkit/NCCL, or HVDTRAIN_GPU_OPS=none)"
+    fi
+    "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
+    env "${build_env[@]}" "$vpy" -m pip install -q --no-build-isolation --no-deps --no-cache-dir "$src" \
+        >"$cache/horovod-build.log" 2>&1 || { tail -40 "$cache/horovod-build.log"; die "horovod build failed (full log: $cache/horovod-build.log)"; }
+fi
+
+if ! out=$(check_build); then
+    echo "$out" >&2
+    die "horovodrun --check-build does not show PyTorch, MPI and Gloo"
+fi
+echo "$out" | sed 's/^/[setup]   /'
+echo "$stamp" >"$stamp_file"
+log "done: $venv"

@@ -1,0 +1,14 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hvdtrain",
+    version="0.1.0",
+    description="Horovod-based distributed ImageNet trainer for PyTorch",
+    packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
+    package_data={"hvdtrain": ["configs/*.yaml"]},
+    python_requires=">=3.9",
+    # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
+    install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow"],
+    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"], "test": ["pytest"]},
+    entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
+)

@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny generated dataset and a runner for really launched multi-rank jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PROBE = REPO / "tests" / "parallel" / "probe.py"
+JOB_TIMEOUT = 600
+
+
+def job_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "HVDTRAIN_CACHE": str(tmp_path / "cache"),
+        # Tests run as root in CI containers; Open MPI refuses that unless told.
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        # Cross-memory attach is often forbidden in containers; shared memory copies still work.
+        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    })
+    return env
+
+
+def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``program`` (argv after the interpreter) on ``np_`` ranks with a real launcher."""
+    python = [str(BIN / "python")] + program
+    if kind == "single":
+        cmd = python
+    elif kind == "horovodrun-gloo":
+        cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo"] + python
+    elif kind == "horovodrun-mpi":
+        cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--mpi"] + python
+    elif kind == "mpirun":
+        cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
+    else:
+        raise ValueError(kind)
+    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                             f"\n--- stderr\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """4 classes x 24 training images; 21 validation images (an odd count: uneven shards)."""
+    from hvdtrain.demo_data import draw, generate
+
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    generate(root, train_per_class=24, val_per_class=5, size=40, num_classes=4)
+    extra = root / "val" / "horizontal_0" / "extra.JPEG"
+    draw(0, 40, np.random.default_rng(99)).save(extra, quality=90)
+    return root

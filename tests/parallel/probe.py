@@ -1,0 +1,27 @@
+"""Train like ``python -m hvdtrain`` and then save what this rank ended with, for the tests.
+
+Usage (under any launcher): probe.py OUT_DIR [--config FILE] [key=value ...]
+Writes OUT_DIR/rank<r>.pt with the rank's final parameters, world layout and metrics.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from hvdtrain import dist
+from hvdtrain.cli import train_parser
+from hvdtrain.config import load_config
+from hvdtrain.model import unwrap_state_dict
+from hvdtrain.trainer import train
+
+out = Path(sys.argv[1])
+args = train_parser().parse_args(sys.argv[2:])
+run, metrics = train(load_config(args.config, args.overrides))
+out.mkdir(parents=True, exist_ok=True)
+torch.save({
+    "state": unwrap_state_dict(run.state.model),
+    "rank": dist.rank(), "size": dist.size(), "local_rank": dist.local_rank(),
+    "controller": dist.controller(), "metrics": metrics, "step": run.state.step,
+    "launcher_env": dist.launcher_env(),
+}, out / f"rank{dist.rank()}.pt")
