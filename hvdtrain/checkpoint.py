@@ -2,25 +2,43 @@
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so loading it never
 unpickles code. Writing goes to a temporary file in the same folder, which is flushed, fsynced
-and then renamed over the target: a crash mid-write leaves the previous good file in place.
+and renamed over the target: a crash mid-write leaves the previous good file in place.
+
+Layout under ``<output.dir>/checkpoints``: ``step-00001234.pt`` (the newest ``checkpoint.keep``
+of them), ``last.pt`` (the newest) and ``best.pt`` (best validation top-1), the latter two as hard
+links to a numbered file where the file system allows it, so each checkpoint is written once.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import re
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
+NUMBERED = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, phrased as one line naming the file."""
 
 
+def _fsync_dir(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def atomic_save(payload: dict[str, Any], path: Path) -> None:
+    """Write ``payload`` to ``path`` so that ``path`` is always either the old or the new file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -33,11 +51,53 @@ def atomic_save(payload: dict[str, Any], path: Path) -> None:
     finally:
         if scratch.exists():
             scratch.unlink()
-    directory = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def atomic_link(source: Path, target: Path) -> None:
+    """Make ``target`` the same file as ``source`` (hard link, else a copy), atomically."""
+    scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if scratch.exists():
+        scratch.unlink()
     try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+        os.link(source, scratch)
+    except OSError:
+        shutil.copyfile(source, scratch)
+        with open(scratch, "rb+") as handle:
+            os.fsync(handle.fileno())
+    os.replace(scratch, target)
+    _fsync_dir(target.parent)
+
+
+def numbered(directory: Path) -> list[Path]:
+    """Numbered checkpoints, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NUMBERED.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+class CheckpointSaver:
+    """Rank 0's writer: numbered files, ``last.pt``, ``best.pt``, and pruning to ``keep``."""
+
+    def __init__(self, directory: Path, keep: int):
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def save(self, payload: dict[str, Any], is_best: bool) -> Path:
+        last = self.directory / "last.pt"
+        if self.keep > 0:
+            path = self.directory / f"step-{payload['step']:08d}.pt"
+            atomic_save(payload, path)
+            atomic_link(path, last)
+        else:
+            path = last
+            atomic_save(payload, path)
+        if is_best:
+            atomic_link(path, self.directory / "best.pt")
+        for old in numbered(self.directory)[self.keep:]:
+            old.unlink()
+        return path
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -57,14 +117,53 @@ def load(path: Path) -> dict[str, Any]:
     return payload
 
 
-def resume_path(resume: str, run_dir: Path) -> Path | None:
-    """Which file ``checkpoint.resume`` asks for: auto, never, or an explicit path."""
+def load_for_resume(resume: str, directory: Path,
+                    warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """What ``checkpoint.resume`` asks for: ``never``, a file, or ``auto``.
+
+    ``auto`` takes ``last.pt`` and, if it is unreadable, the newest numbered checkpoint that
+    loads, saying which file was skipped and why. An explicit file must load.
+    """
     if resume == "never":
         return None
-    if resume == "auto":
-        last = run_dir / "checkpoints" / "last.pt"
-        return last if last.is_file() else None
-    path = Path(resume)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint.resume: '{resume}' is neither auto, never, nor an existing file")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint.resume: '{resume}' is neither auto, never, nor an existing file")
+        return path, load(path)
+    candidates = [directory / "last.pt"] + numbered(directory)
+    candidates = [p for p in candidates if p.is_file()]
+    for path in candidates:
+        try:
+            return path, load(path)
+        except CheckpointError as error:
+            warn(f"hvdtrain: warning: {error}; trying an older checkpoint")
+    if candidates:
+        raise CheckpointError(f"no readable checkpoint in '{directory}' (tried {len(candidates)}); "
+                              f"set checkpoint.resume=never to start over")
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators, in weights_only-loadable form."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

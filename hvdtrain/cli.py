@@ -67,9 +67,16 @@ def cmd_train(argv: list[str]) -> int:
         if launcher_rank() == 0:
             print(dump_yaml(cfg), end="")
         return 0
-    from .trainer import train  # imports Horovod and torch: keep --print-config and errors fast
+    from .trainer import LostRank, Preempted, train  # imports Horovod: keep --print-config fast
 
-    train(cfg)
+    try:
+        train(cfg)
+    except Preempted as stop:
+        return stop.exit_code
+    except LostRank as lost:
+        if lost.speak:
+            print(lost, file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

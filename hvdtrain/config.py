@@ -92,6 +92,8 @@ class DistConfig:
     """Gradient compression on the wire; auto = fp16 on GPU, none on CPU."""
     op: Literal["average", "adasum"] = "average"
     """Gradient reduction."""
+    timeout_seconds: int = 45
+    """Stop the job, naming the lost rank, when no training step completes for this long; 0 = never."""
 
 
 @dataclass
@@ -125,7 +127,11 @@ class OutputConfig:
 @dataclass
 class CheckpointConfig:
     resume: str = "auto"
-    """auto = continue from <output.dir>/checkpoints/last.pt when present; never; or a file path."""
+    """auto = continue from the newest readable checkpoint in <output.dir>/checkpoints; never; or a file."""
+    every_steps: int = 0
+    """Also checkpoint every this many optimizer steps, mid-epoch; 0 = at the end of each epoch only."""
+    keep: int = 3
+    """Numbered checkpoints (step-N.pt) kept besides last.pt and best.pt; 0 = last.pt and best.pt only."""
 
 
 @dataclass
@@ -293,6 +299,9 @@ def validate(cfg: Config) -> None:
         "data.workers": cfg.data.workers,
         "data.val_resize": cfg.data.val_resize,
         "runtime.threads": cfg.runtime.threads,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "dist.timeout_seconds": cfg.dist.timeout_seconds,
+        "checkpoint.keep": cfg.checkpoint.keep,
         "model.num_classes": cfg.model.num_classes,
         "optim.warmup_epochs": cfg.optim.warmup_epochs,
         "optim.weight_decay": cfg.optim.weight_decay,

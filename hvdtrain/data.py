@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import random
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -86,8 +88,15 @@ def image_folders(data: DataConfig, root: Path) -> tuple[Dataset, Dataset]:
     return train_set, val_set
 
 
-class ShardedSampler(Sampler[int]):
-    """The global order of an epoch, split across ranks.
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The random seed of one sample's augmentation in one epoch (a 63-bit mix of the three)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    mixed ^= mixed >> 31
+    return mixed & (2**63 - 1)
+
+
+class ShardedSampler(Sampler[tuple[int, int]]):
+    """The global order of an epoch, split across ranks, resumable at any position.
 
     Every epoch draws one permutation of the whole dataset from ``seed + epoch`` (independent of
     the number of ranks). Rank ``r`` of ``n`` takes positions ``r, r + n, r + 2n, ...``, so that the
@@ -95,6 +104,11 @@ class ShardedSampler(Sampler[int]):
     single process would draw. With ``pad`` the order is extended by wrapping around so that every
     rank gets the same number of samples (training); without it no index is repeated and every
     index belongs to exactly one rank (validation).
+
+    It yields ``(index, augmentation seed)`` pairs (see ``SeededSamples``): each sample's random
+    augmentation depends only on (seed, epoch, index), not on which rank or loader worker draws
+    it, nor on where a run was resumed. ``set_epoch(epoch, start)`` skips the first ``start``
+    samples of this rank's shard, for resuming in the middle of an epoch.
     """
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, seed: int = 0,
@@ -108,9 +122,11 @@ class ShardedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.pad = pad
         self.epoch = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch = epoch
+        self.start = start
 
     def global_order(self) -> list[int]:
         if self.shuffle:
@@ -124,18 +140,59 @@ class ShardedSampler(Sampler[int]):
             order = (order * math.ceil(padded / len(order)))[:padded]
         return order
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.global_order()[self.rank::self.num_replicas])
+    def indices(self) -> list[int]:
+        """This rank's dataset indices for the epoch, after ``start``."""
+        return self.global_order()[self.rank::self.num_replicas][self.start:]
 
-    def __len__(self) -> int:
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(index, sample_seed(self.seed, self.epoch, index)) for index in self.indices()])
+
+    def shard_size(self) -> int:
         if self.pad:
             return math.ceil(self.num_samples_total / self.num_replicas)
         return len(range(self.rank, self.num_samples_total, self.num_replicas))
+
+    def __len__(self) -> int:
+        return max(0, self.shard_size() - self.start)
+
+
+class SeededSamples(Dataset):
+    """Wraps a dataset so that ``dataset[(index, seed)]`` runs its transform under ``seed``.
+
+    torchvision's random transforms draw from the global torch (and Python) generators; they are
+    seeded per sample and restored afterwards, so the caller's random streams (dropout, say) are
+    untouched when loading happens in the training process.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, seed = key
+        python_state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(python_state)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """Loader workers leave SIGTERM/SIGUSR1 to the training process, which stops at a step
+    boundary and checkpoints; a worker killed by the same signal would fail the next batch first."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def loader_kwargs(data: DataConfig, pin_memory: bool) -> dict:
     kwargs: dict = {"num_workers": data.workers, "pin_memory": pin_memory}
     if data.workers > 0:
+        kwargs["worker_init_fn"] = ignore_stop_signals
         kwargs["persistent_workers"] = True
         kwargs["prefetch_factor"] = data.prefetch_factor
         # Forking a process that has initialized MPI/NCCL/CUDA is unsafe; forkserver forks from a
@@ -189,6 +246,10 @@ def build_loaders(cfg: Config, root: Path | None, rank: int, world_size: int, pi
     train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True)
     val_sampler = ShardedSampler(len(val_set), world_size, rank, shuffle=False, pad=False)
     kwargs = loader_kwargs(data, pin_memory)
-    train = DataLoader(train_set, batch_size=batch, sampler=train_sampler, drop_last=True, **kwargs)
-    val = DataLoader(val_set, batch_size=batch, sampler=val_sampler, drop_last=False, **kwargs)
+    # A private generator: creating an iterator must not consume the global torch RNG, or a run
+    # resumed mid-epoch would see different random numbers than an uninterrupted one.
+    train = DataLoader(SeededSamples(train_set), batch_size=batch, sampler=train_sampler, drop_last=True,
+                       generator=torch.Generator().manual_seed(cfg.seed), **kwargs)
+    val = DataLoader(SeededSamples(val_set), batch_size=batch, sampler=val_sampler, drop_last=False,
+                     generator=torch.Generator().manual_seed(cfg.seed), **kwargs)
     return Loaders(train, val, train_sampler, num_classes, len(train_set), len(val_set))

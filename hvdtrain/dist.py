@@ -13,14 +13,23 @@ from typing import Any, Iterable
 import torch
 
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
 
 Compression = hvd.Compression
+__all__ = ["HorovodInternalError"]
 # Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
 CudaSyncBatchNorm = hvd.SyncBatchNorm
 
 
-def init() -> None:
-    """Initialize Horovod once (idempotent)."""
+def init(timeout_seconds: int = 0) -> None:
+    """Initialize Horovod once (idempotent).
+
+    A Gloo collective gives up after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default); a longer
+    ``timeout_seconds`` raises it so that slow but healthy phases are not cut short. Settings the
+    user exported win.
+    """
+    if timeout_seconds > 30:
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
     if not hvd.is_initialized():
         hvd.init()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -35,8 +35,14 @@ class TrainState:
     label_smoothing: float = 0.0
     clip_grad_norm: float = 0.0
     backward_passes_per_step: int = 1
-    step: int = 0
-    extra: dict = field(default_factory=dict)
+    step: int = 0            # optimizer steps taken in the whole run
+    epoch: int = 0           # the epoch in progress
+    step_in_epoch: int = 0   # optimizer steps completed in that epoch
+
+    def lr_now(self) -> float:
+        """The rate for the next step: a function of the position in the epoch, so that it stays
+        right when a run resumes with another number of ranks (and steps per epoch)."""
+        return self.lr_schedule(self.epoch * self.lr_schedule.steps_per_epoch + self.step_in_epoch)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
@@ -76,13 +82,16 @@ def train_one_epoch(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
     allreduce_sum: AllreduceSum,
-    on_step: Callable[[TrainState, int], None] | None = None,
+    on_step: Callable[[TrainState], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
-    """Run ``steps`` optimizer steps (each over ``backward_passes_per_step`` batches).
+    """Run the epoch's optimizer steps from ``state.step_in_epoch`` up to ``steps``.
 
-    Returns global metrics: loss, top1, top5, samples, seconds, images_per_sec, lr and
-    data_wait_fraction (time spent waiting for the next batch over the epoch's wall time,
-    averaged over ranks).
+    Each step consumes ``backward_passes_per_step`` batches. ``should_stop`` is asked at every step
+    boundary (it must give the same answer on every rank) and ends the epoch early. Returns global
+    metrics over the steps run: loss, top1, top5, samples, seconds, images_per_sec, lr,
+    data_wait_fraction (time waiting for the next batch over the wall time, averaged over ranks)
+    and stopped.
     """
     model, device = state.model, state.device
     model.train()
@@ -90,10 +99,14 @@ def train_one_epoch(
     passes = state.backward_passes_per_step
     iterator: Iterator = iter(batches)
     data_seconds = 0.0
+    stopped = False
     start = time.perf_counter()
-    lr = state.lr_schedule(state.step)
-    for step_in_epoch in range(steps):
-        lr = state.lr_schedule(state.step)
+    lr = state.lr_now()
+    while state.step_in_epoch < steps:
+        if should_stop is not None and should_stop():
+            stopped = True
+            break
+        lr = state.lr_now()
         set_lr(state.optimizer, lr)
         for _ in range(passes):
             fetch_start = time.perf_counter()
@@ -112,19 +125,20 @@ def train_one_epoch(
                 scaled.backward()
         optimizer_step(state)
         state.step += 1
+        state.step_in_epoch += 1
         if on_step is not None:
-            on_step(state, step_in_epoch)
+            on_step(state)
     seconds = time.perf_counter() - start
     metrics = sums.reduced(allreduce_sum)
     wait = allreduce_sum(torch.tensor([data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
     metrics.update(seconds=seconds, lr=lr, images_per_sec=metrics["samples"] / max(seconds, 1e-9),
-                   data_wait_fraction=float(wait[0] / wait[1]))
+                   data_wait_fraction=float(wait[0] / wait[1]), stopped=stopped)
     return metrics
 
 
 @torch.no_grad()
 def evaluate(state: TrainState, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-             allreduce_sum: AllreduceSum) -> dict[str, float]:
+             allreduce_sum: AllreduceSum, on_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """Exact loss, top-1 and top-5 over the whole split: sums of this rank's shard, then summed."""
     model = state.model
     model.eval()
@@ -137,6 +151,8 @@ def evaluate(state: TrainState, batches: Iterable[tuple[torch.Tensor, torch.Tens
             logits = model(images)
         loss = F.cross_entropy(logits.float(), targets)
         sums.add(loss, logits, targets)
+        if on_batch is not None:
+            on_batch()
     seconds = time.perf_counter() - start
     metrics = sums.reduced(allreduce_sum)
     metrics.update(seconds=seconds, images_per_sec=metrics["samples"] / max(seconds, 1e-9))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import warnings
@@ -20,7 +21,9 @@ from .engine import TrainState, evaluate, train_one_epoch
 from .metrics import MetricsWriter
 from .model import build_model, unwrap_state_dict
 from .optim import LRSchedule, build_sgd
+from .preemption import StopRequest
 from .sync_bn import convert_sync_batchnorm
+from .watchdog import LivenessService, Peer, Watchdog, lost_message
 
 
 def log(message: str) -> None:
@@ -70,12 +73,24 @@ class Run:
     steps_per_epoch: int
     global_batch: int
     run_dir: Path
+    peers: list[Peer]
+    liveness: LivenessService
+    watchdog: Watchdog
     start_epoch: int = 0
+    best_top1: float | None = None
+
+    @property
+    def samples_per_rank_step(self) -> int:
+        """Samples one rank consumes per optimizer step."""
+        return self.cfg.train.batch_size * self.cfg.train.backward_passes_per_step
 
 
 def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     """Everything before the first step; identical on every rank up to the broadcast."""
-    dist.init()
+    dist.init(cfg.dist.timeout_seconds)
+    # Every rank's address and liveness port, known to every rank, to name a lost one later.
+    liveness = LivenessService(dist.rank())
+    peers = [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]
     if not dist.is_primary():
         warnings.filterwarnings("ignore")
     device = pick_device(cfg)
@@ -122,11 +137,13 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
                        lr_schedule=schedule, amp_dtype=amp_dtype, label_smoothing=cfg.optim.label_smoothing,
                        clip_grad_norm=cfg.optim.clip_grad_norm, backward_passes_per_step=passes)
     run = Run(cfg=cfg, state=state, loaders=loaders, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
-              run_dir=Path(cfg.output.dir))
+              run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
+              watchdog=Watchdog(cfg.dist.timeout_seconds, peers, dist.rank()))
     resume_and_broadcast(run, resume_from)
 
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
-        f"device {device.type}, {threads} threads/rank")
+        f"device {device.type}, {threads} threads/rank; ranks: "
+        + ", ".join(f"{p.rank}={p.host}:{p.pid}" for p in peers[:16]) + (" ..." if len(peers) > 16 else ""))
     log(f"hvdtrain: {cfg.model.arch} with {loaders.num_classes} classes, "
         f"{'synthetic data' if cfg.data.synthetic else f'{loaders.train_size} train / {loaders.val_size} val images'}")
     log(f"hvdtrain: global batch {global_batch} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
@@ -137,75 +154,168 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
 
 
 def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
-    """Rank 0 loads the checkpoint (if any); then everything rank 0 has goes to every rank."""
-    state = run.state
-    progress = {"epoch": 0, "step": 0, "source": None}
+    """Rank 0 loads the checkpoint (if any); then everything rank 0 has goes to every rank.
+
+    Each rank gets back its own random generators when the number of ranks is unchanged. With a
+    different number of ranks the position in the epoch is carried over as a count of samples, so
+    the global sample order, the epoch and the learning rate continue where they were.
+    """
+    state, cfg = run.state, run.cfg
+    progress: dict[str, Any] = {"source": None}
     if dist.is_primary():
-        path = path or checkpoint.resume_path(run.cfg.checkpoint.resume, run.run_dir)
-        if path is not None:
-            payload = checkpoint.load(path)
+        found = ((path, checkpoint.load(path)) if path is not None
+                 else checkpoint.load_for_resume(cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
+        if found is not None:
+            path, payload = found
             state.model.load_state_dict(payload["model"])
             state.optimizer.load_state_dict(payload["optimizer"])
             if state.scaler is not None and payload.get("scaler"):
                 state.scaler.load_state_dict(payload["scaler"])
-            progress = {"epoch": int(payload["epoch"]), "step": int(payload["step"]), "source": str(path)}
+            progress = {"source": str(path), "epoch": int(payload["epoch"]), "step": int(payload["step"]),
+                        "samples_in_epoch": int(payload.get("samples_in_epoch", 0)),
+                        "world_size": int(payload.get("world_size", 0)), "rng": payload.get("rng", []),
+                        "best_top1": payload.get("best_top1")}
     progress = dist.broadcast_object(progress, name="resume_progress")
     dist.broadcast_model(state.model)
     dist.broadcast_optimizer(state.optimizer)
     if state.scaler is not None:
-        scaler_state = dist.broadcast_object(state.scaler.state_dict(), name="scaler_state")
-        state.scaler.load_state_dict(scaler_state)
+        state.scaler.load_state_dict(dist.broadcast_object(state.scaler.state_dict(), name="scaler_state"))
+    if not progress["source"]:
+        return
     state.step = progress["step"]
-    run.start_epoch = progress["epoch"]
-    if progress["source"]:
-        log(f"hvdtrain: resumed from {progress['source']} at epoch {run.start_epoch}, step {state.step}")
+    state.epoch = run.start_epoch = progress["epoch"]
+    samples_per_step = run.global_batch
+    state.step_in_epoch = progress["samples_in_epoch"] // samples_per_step
+    run.best_top1 = progress["best_top1"]
+    same_world = progress["world_size"] == dist.size()
+    if same_world and len(progress["rng"]) == dist.size():
+        checkpoint.set_rng_state(progress["rng"][dist.rank()])
+    else:
+        torch.manual_seed(cfg.seed + 1000003 * dist.rank() + state.step)
+    where = f"epoch {state.epoch + 1}" + (f", step {state.step_in_epoch}/{run.steps_per_epoch}"
+                                          if state.step_in_epoch else "")
+    log(f"hvdtrain: resumed from {progress['source']} at {where} (global step {state.step})")
+    if not same_world:
+        rounded = progress["samples_in_epoch"] - state.step_in_epoch * samples_per_step
+        log(f"hvdtrain: the checkpoint was written by {progress['world_size']} ranks, this job has {dist.size()}: "
+            f"global batch {samples_per_step}, learning rate rescaled"
+            + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
 
 
-def save_checkpoint(run: Run, epochs_done: int) -> Path:
+def checkpoint_payload(run: Run) -> dict[str, Any]:
+    """Everything needed to continue exactly where the run is now (a collective: call on every rank)."""
     state = run.state
-    payload = {
+    rng = dist.allgather_object(checkpoint.rng_state(), name="checkpoint_rng")
+    return {
+        "format": 2,
         "model": unwrap_state_dict(state.model),
         "optimizer": state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict() if state.scaler is not None else {},
-        "epoch": epochs_done,
+        "epoch": state.epoch,
+        "step_in_epoch": state.step_in_epoch,
+        "samples_in_epoch": state.step_in_epoch * run.global_batch,
         "step": state.step,
+        "lr": state.lr_now(),
         "world_size": dist.size(),
+        "global_batch": run.global_batch,
+        "best_top1": run.best_top1,
+        "rng": rng,
         "config": to_dict(run.cfg),
     }
-    path = run.run_dir / "checkpoints" / "last.pt"
-    checkpoint.atomic_save(payload, path)
+
+
+def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False) -> Path | None:
+    """Every rank takes part (buffers and random states are collected); rank 0 writes."""
+    dist.average_buffers(run.state.model)
+    payload = checkpoint_payload(run)
+    path = saver.save(payload, is_best) if saver is not None else None
+    dist.barrier()  # nobody runs ahead (or exits) before the file is in place
     return path
+
+
+class LostRank(Exception):
+    """A collective failed because a peer died or hangs; ``speak`` is set on the rank that reports it."""
+
+    def __init__(self, line: str, speak: bool):
+        super().__init__(line)
+        self.speak = speak
+
+
+class Preempted(Exception):
+    """Raised on every rank after a signal-triggered checkpoint; the CLI exits with EXIT_PREEMPTED."""
+
+    exit_code = 75  # EX_TEMPFAIL: not finished, try again
 
 
 def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
     """Train for ``cfg.train.epochs`` epochs; returns the run and the last epoch's metrics (every rank)."""
     run = setup(cfg)
     state, loaders = run.state, run.loaders
-    writer = None
+    writer, saver = None, None
     if dist.is_primary():
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.yaml").write_text(dump_yaml(cfg))
         writer = MetricsWriter(run.run_dir, tensorboard=cfg.output.tensorboard)
+        saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+    stop = StopRequest()
+
+    def after_step(state: TrainState) -> None:
+        if progress:
+            progress.update(state, state.step_in_epoch - 1)
+        every = cfg.checkpoint.every_steps
+        if every and state.step % every == 0 and state.step_in_epoch < run.steps_per_epoch:
+            run.watchdog.disarm()
+            save_checkpoint(run, saver)
+        run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
+
     last: dict[str, Any] = {}
+    if run.start_epoch >= cfg.train.epochs:
+        log(f"hvdtrain: nothing to do: {run.start_epoch} of {cfg.train.epochs} epochs are done "
+            f"(raise train.epochs to train further)")
     try:
-        for epoch in range(run.start_epoch, cfg.train.epochs):
-            if loaders.train_sampler is not None:
-                loaders.train_sampler.set_epoch(epoch)
-            progress = Progress(epoch, cfg.train.epochs, run.steps_per_epoch) \
-                if cfg.output.progress and dist.is_primary() else None
-            train_metrics = train_one_epoch(state, loaders.train, run.steps_per_epoch, dist.allreduce_sum,
-                                            on_step=progress.update if progress else None)
-            if progress:
-                progress.close()
-            dist.average_buffers(state.model)
-            val_metrics = evaluate(state, loaders.val, dist.allreduce_sum)
-            val_metrics["lr"] = train_metrics["lr"]
-            last = {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": state.step}
-            if dist.is_primary():
-                for split, values in (("train", train_metrics), ("val", val_metrics)):
-                    writer.write({"split": split, "epoch": epoch, "step": state.step, **values})
-                save_checkpoint(run, epoch + 1)
-                log(epoch_line(epoch, cfg.train.epochs, train_metrics, val_metrics))
+        with stop.installed():
+            for epoch in range(run.start_epoch, cfg.train.epochs):
+                state.epoch = epoch
+                if loaders.train_sampler is not None:
+                    loaders.train_sampler.set_epoch(epoch, start=state.step_in_epoch * run.samples_per_rank_step)
+                progress = Progress(epoch, cfg.train.epochs, run.steps_per_epoch) \
+                    if cfg.output.progress and dist.is_primary() else None
+                if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
+                    run.watchdog.beat()
+                train_metrics = train_one_epoch(state, loaders.train, run.steps_per_epoch, dist.allreduce_sum,
+                                                on_step=after_step, should_stop=stop.agreed)
+                run.watchdog.disarm()
+                if progress:
+                    progress.close()
+                if train_metrics["stopped"]:
+                    path = save_checkpoint(run, saver)
+                    log(f"hvdtrain: stopped by {stop.reason()} in epoch {epoch + 1}/{cfg.train.epochs} at step "
+                        f"{state.step_in_epoch}/{run.steps_per_epoch} (global step {state.step}); checkpoint "
+                        f"saved to {path}. Resume with the same command (checkpoint.resume=auto).")
+                    raise Preempted()
+                dist.average_buffers(state.model)
+                if epoch > run.start_epoch:
+                    run.watchdog.beat()
+                val_metrics = evaluate(state, loaders.val, dist.allreduce_sum, on_batch=run.watchdog.beat)
+                run.watchdog.disarm()
+                val_metrics["lr"] = train_metrics["lr"]
+                state.epoch, state.step_in_epoch = epoch + 1, 0
+                is_best = run.best_top1 is None or val_metrics["top1"] > run.best_top1
+                if is_best:
+                    run.best_top1 = val_metrics["top1"]
+                save_checkpoint(run, saver, is_best=is_best)
+                last = {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": state.step}
+                if writer is not None:
+                    for split, values in (("train", train_metrics), ("val", val_metrics)):
+                        writer.write({"split": split, "epoch": epoch, "step": state.step,
+                                      **{k: v for k, v in values.items() if k != "stopped"}})
+                    log(epoch_line(epoch, cfg.train.epochs, train_metrics, val_metrics))
+    except dist.HorovodInternalError as error:
+        run.watchdog.disarm()
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first_line = re.sub(r"\[[^\]]*\]\s*", "", first_line).strip()  # drop "[file.cc:81]" prefixes
+        line, speak = lost_message(run.peers, dist.rank(), f"a collective failed ({first_line[:100]})")
+        raise LostRank(line, speak) from None
     finally:
         if writer is not None:
             writer.close()

@@ -2,13 +2,13 @@ import itertools
 
 import pytest
 
-from hvdtrain.data import ShardedSampler
+from hvdtrain.data import SeededSamples, ShardedSampler, sample_seed
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_samples", [1, 7, 10, 50, 101])
 def test_val_shards_cover_every_index_exactly_once(world_size, num_samples):
-    shards = [list(ShardedSampler(num_samples, world_size, rank, shuffle=False, pad=False))
+    shards = [ShardedSampler(num_samples, world_size, rank, shuffle=False, pad=False).indices()
               for rank in range(world_size)]
     seen = sorted(itertools.chain.from_iterable(shards))
     assert seen == list(range(num_samples))
@@ -19,7 +19,7 @@ def test_val_shards_cover_every_index_exactly_once(world_size, num_samples):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_train_shards_are_equal_length_and_cover_everything(world_size):
     num_samples = 103
-    shards = [list(ShardedSampler(num_samples, world_size, rank, seed=3)) for rank in range(world_size)]
+    shards = [ShardedSampler(num_samples, world_size, rank, seed=3).indices() for rank in range(world_size)]
     assert len({len(s) for s in shards}) == 1
     assert set(itertools.chain.from_iterable(shards)) == set(range(num_samples))
 
@@ -27,8 +27,8 @@ def test_train_shards_are_equal_length_and_cover_everything(world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_global_batches_do_not_depend_on_world_size(world_size):
     batch, num_samples = 4, 64
-    single = list(ShardedSampler(num_samples, 1, 0, seed=11))
-    shards = [list(ShardedSampler(num_samples, world_size, rank, seed=11)) for rank in range(world_size)]
+    single = ShardedSampler(num_samples, 1, 0, seed=11).indices()
+    shards = [ShardedSampler(num_samples, world_size, rank, seed=11).indices() for rank in range(world_size)]
     for k in range(num_samples // (batch * world_size)):
         together = sorted(itertools.chain.from_iterable(s[k * batch:(k + 1) * batch] for s in shards))
         assert together == sorted(single[k * batch * world_size:(k + 1) * batch * world_size])
@@ -49,3 +49,46 @@ def test_each_epoch_reshuffles_from_seed_plus_epoch():
 def test_rank_out_of_range():
     with pytest.raises(ValueError):
         ShardedSampler(10, 2, 2)
+
+
+def test_resume_position_skips_exactly_what_was_consumed():
+    sampler = ShardedSampler(50, 2, 1, seed=5)
+    sampler.set_epoch(2)
+    full = list(sampler)
+    sampler.set_epoch(2, start=7)
+    assert list(sampler) == full[7:]
+    assert len(sampler) == len(full) - 7
+
+
+def test_augmentation_seed_depends_on_sample_not_on_rank_or_position():
+    one = dict(ShardedSampler(20, 1, 0, seed=4))
+    two = dict(pair for rank in range(2) for pair in ShardedSampler(20, 2, rank, seed=4))
+    assert one == two
+    assert len(set(one.values())) == 20
+    assert sample_seed(4, 0, 3) != sample_seed(4, 1, 3)
+
+
+def test_seeded_samples_are_reproducible_and_leave_global_rng_alone():
+    import random
+
+    import torch
+
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            return torch.rand(2), random.random()
+
+    dataset = SeededSamples(Noisy())
+    torch.manual_seed(0)
+    random.seed(0)
+    first = dataset[(1, 123)]
+    after = torch.rand(1), random.random()
+    torch.manual_seed(0)
+    random.seed(0)
+    assert torch.equal(dataset[(1, 123)][0], first[0]) and dataset[(1, 123)][1] == first[1]
+    assert not torch.equal(dataset[(1, 124)][0], first[0])
+    torch.manual_seed(0)
+    random.seed(0)
+    assert (torch.rand(1), random.random()) == after
