@@ -15,13 +15,18 @@ from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
 from hvdtrain.trainer import train
 
-out = Path(sys.argv[1])
-args = train_parser().parse_args(sys.argv[2:])
-run, metrics = train(load_config(args.config, args.overrides))
-out.mkdir(parents=True, exist_ok=True)
-torch.save({
-    "state": unwrap_state_dict(run.state.model),
-    "rank": dist.rank(), "size": dist.size(), "local_rank": dist.local_rank(),
-    "controller": dist.controller(), "metrics": metrics, "step": run.state.step,
-    "launcher_env": dist.launcher_env(),
-}, out / f"rank{dist.rank()}.pt")
+def main() -> None:
+    out = Path(sys.argv[1])
+    args = train_parser().parse_args(sys.argv[2:])
+    run, metrics = train(load_config(args.config, args.overrides))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({
+        "state": unwrap_state_dict(run.state.model),
+        "rank": dist.rank(), "size": dist.size(), "local_rank": dist.local_rank(),
+        "controller": dist.controller(), "metrics": metrics, "step": run.state.step,
+        "launcher_env": dist.launcher_env(),
+    }, out / f"rank{dist.rank()}.pt")
+
+
+if __name__ == "__main__":  # loader workers (forkserver) import this file: train only when run
+    main()

@@ -1,0 +1,257 @@
+"""Fault tolerance, with really launched 2-rank jobs: exact resume, corrupt checkpoints,
+preemption by signal, a different number of ranks, and dead or hung ranks (no silent hangs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, PROBE, job_env, launch
+
+# Augmentation on, a loader worker per rank, fp16 AMP (GradScaler state), mid-epoch checkpoints
+# every 3 steps with 4 steps per epoch: checkpoints at steps 3, 4, 6, 8, 9, 12.
+RESUMABLE = ["--config", "debug", "data.workers=1", "amp.enabled=true", "amp.dtype=float16",
+             "checkpoint.every_steps=3", "checkpoint.keep=100", "train.epochs=3"]
+
+
+def args(tiny_data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return RESUMABLE + [f"data.dir={tiny_data}", f"output.dir={run_dir}", *extra]
+
+
+def final_states(probe_dir: Path) -> list[dict]:
+    return [torch.load(probe_dir / f"rank{r}.pt", weights_only=False)["state"] for r in range(2)]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert different == [], f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_data, tmp_path_factory):
+    """The uninterrupted run every resumed run is compared with."""
+    tmp = tmp_path_factory.mktemp("straight")
+    launch("horovodrun-gloo", 2, [str(PROBE), str(tmp / "probe")] + args(tiny_data, tmp / "run"), tmp)
+    states = final_states(tmp / "probe")
+    assert_bitwise_equal(states[0], states[1])
+    return tmp / "run", states[0]
+
+
+def resume_from(tiny_data: Path, straight_dir: Path, checkpoint: str, tmp: Path) -> dict:
+    run_dir = tmp / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(straight_dir / "checkpoints" / checkpoint, run_dir / "checkpoints" / "last.pt")
+    result = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp / "probe")] + args(tiny_data, run_dir), tmp)
+    assert "resumed from" in result.stdout
+    states = final_states(tmp / "probe")
+    assert_bitwise_equal(states[0], states[1])
+    return states[0]
+
+
+@pytest.mark.parametrize("checkpoint", ["step-00000003.pt", "step-00000008.pt"],
+                         ids=["mid-epoch", "epoch-end"])
+def test_resume_is_bitwise_identical_to_the_uninterrupted_run(checkpoint, straight, tiny_data, tmp_path):
+    straight_dir, expected = straight
+    assert_bitwise_equal(resume_from(tiny_data, straight_dir, checkpoint, tmp_path), expected)
+
+
+def test_checkpoint_contents_and_retention(straight):
+    directory = straight[0] / "checkpoints"
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["best.pt", "last.pt"] + [f"step-{s:08d}.pt" for s in (3, 4, 6, 8, 9, 12)]
+    assert os.path.samefile(directory / "last.pt", directory / "step-00000012.pt")
+    saved = torch.load(directory / "step-00000003.pt", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"], saved["samples_in_epoch"], saved["step"]) == (0, 3, 48, 3)
+    assert saved["scaler"]["scale"] > 0 and saved["world_size"] == 2 and len(saved["rng"]) == 2
+    assert all({"torch", "python", "numpy"} <= set(state) for state in saved["rng"])
+    assert not any(key.startswith("module.") for key in saved["model"])
+    metrics = [json.loads(line) for line in (straight[0] / "metrics.jsonl").read_text().splitlines()]
+    best_epoch = max((m for m in metrics if m["split"] == "val"), key=lambda m: m["top1"])
+    best = torch.load(directory / "best.pt", weights_only=True)
+    assert best["step"] == best_epoch["step"]
+
+
+def test_keep_prunes_old_numbered_checkpoints(tmp_path):
+    from hvdtrain.checkpoint import CheckpointSaver
+
+    saver = CheckpointSaver(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        saver.save({"step": step, "model": {}, "optimizer": {}, "epoch": 0, "config": {}}, is_best=step == 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt", "step-00000002.pt",
+                                                          "step-00000003.pt"]
+    assert torch.load(tmp_path / "best.pt", weights_only=True)["step"] == 2
+
+
+def test_corrupt_last_checkpoint_falls_back_to_the_newest_good_one(straight, tiny_data, tmp_path):
+    straight_dir, expected = straight
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for name in ("step-00000003.pt", "step-00000008.pt"):
+        shutil.copy(straight_dir / "checkpoints" / name, run_dir / "checkpoints" / name)
+    good = (straight_dir / "checkpoints" / "step-00000009.pt").read_bytes()
+    (run_dir / "checkpoints" / "last.pt").write_bytes(good[: len(good) // 2])          # truncated
+    (run_dir / "checkpoints" / "step-00000009.pt").write_bytes(b"not a checkpoint")     # garbage
+    result = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir), tmp_path)
+    output = result.stdout + result.stderr
+    assert f"checkpoint '{run_dir / 'checkpoints' / 'last.pt'}' is unreadable" in output
+    assert f"checkpoint '{run_dir / 'checkpoints' / 'step-00000009.pt'}' is unreadable" in output
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000008.pt'}" in output
+    assert_bitwise_equal(final_states(tmp_path / "probe")[0], expected)
+
+
+def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path):
+    from hvdtrain.checkpoint import atomic_save, load
+
+    path = tmp_path / "last.pt"
+    atomic_save({"model": {"w": torch.ones(3)}, "optimizer": {}, "epoch": 1, "step": 5, "config": {}}, path)
+
+    class Explodes:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"model": {"w": torch.zeros(1000)}, "boom": Explodes()}, path)
+    assert load(path)["step"] == 5
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """PIDs of the training processes (not launchers, not loader workers) whose argv has marker."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"python") or marker.encode() not in b" ".join(argv):
+            continue
+        for var in environ:
+            for key in (b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK="):
+                if var.startswith(key):
+                    found[int(var[len(key):])] = int(entry.name)
+    return found
+
+
+def start_job(kind: str, program: list[str], tmp: Path) -> subprocess.Popen:
+    python = [str(BIN / "python")] + program
+    if kind == "horovodrun-gloo":
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"] + python
+    else:
+        cmd = ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
+    return subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-3000:]}")
+
+
+@pytest.mark.parametrize("kind, signum, targets", [
+    ("horovodrun-gloo", signal.SIGTERM, (0, 1)),
+    ("mpirun", signal.SIGUSR1, (1,)),
+], ids=["sigterm-all-ranks-horovodrun", "sigusr1-one-rank-mpirun"])
+def test_preemption_checkpoints_and_resume_finishes_exactly(kind, signum, targets, straight, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    job = start_job(kind, [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir), tmp_path)
+    try:
+        lines = wait_for_line(job, "epoch 1/3 ")
+        pids = rank_pids(str(run_dir))
+        assert sorted(pids) == [0, 1], pids
+        sent = time.monotonic()
+        for rank in targets:
+            os.kill(pids[rank], signum)
+        rest, _ = job.communicate(timeout=60)
+        elapsed = time.monotonic() - sent
+    finally:
+        job.kill()
+    output = "".join(lines) + rest
+    assert job.returncode != 0
+    assert elapsed < 20, f"took {elapsed:.1f}s to stop"
+    name = signal.Signals(signum).name
+    assert f"stopped by {name}" in output or "stopped by a stop signal sent to another rank" in output
+    assert "Resume with the same command" in output
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert 4 <= saved["step"] < 12
+    assert not (tmp_path / "probe").exists()  # the job did not run to the end
+    launch(kind, 2, [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir), tmp_path)
+    assert_bitwise_equal(final_states(tmp_path / "probe")[0], straight[1])
+
+
+def test_resume_with_a_different_number_of_ranks(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["--config", "debug", f"data.dir={tiny_data}", f"output.dir={run_dir}", "train.steps_per_epoch=0",
+              "train.epochs=2", "checkpoint.every_steps=3", "optim.warmup_epochs=1", "optim.schedule=cosine"]
+    launch("horovodrun-gloo", 2, ["-m", "hvdtrain"] + common + ["train.epochs=1"], tmp_path)
+    # 2 ranks x 8 = 16 images per step, 96 images: 6 steps per epoch. Keep the mid-epoch checkpoint.
+    (run_dir / "checkpoints" / "last.pt").unlink()
+    shutil.copy(run_dir / "checkpoints" / "step-00000003.pt", run_dir / "checkpoints" / "last.pt")
+    (run_dir / "metrics.jsonl").unlink()
+    single = launch("single", 1, ["-m", "hvdtrain"] + common, tmp_path)
+    assert "written by 2 ranks, this job has 1" in single.stdout
+    assert "at epoch 1, step 6/12" in single.stdout  # 48 images done = 6 steps of 8
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert [(r["epoch"], r["samples"], r["step"]) for r in train] == [(0, 48, 3 + 6), (1, 96, 3 + 6 + 12)]
+    # The learning rate follows the epoch position at the new global batch (8 -> 0.4 * 8 / 256).
+    from hvdtrain.config import OptimConfig
+    from hvdtrain.optim import LRSchedule
+
+    schedule = LRSchedule.from_config(OptimConfig(base_lr=0.4, warmup_epochs=1, schedule="cosine"), 8, 2, 12)
+    assert train[0]["lr"] == pytest.approx(schedule(11))
+    assert train[1]["lr"] == pytest.approx(schedule(23))
+
+
+@pytest.mark.parametrize("kind, signum", [
+    ("horovodrun-gloo", signal.SIGKILL), ("mpirun", signal.SIGKILL),
+    ("horovodrun-gloo", signal.SIGSTOP), ("mpirun", signal.SIGSTOP),
+], ids=["kill-horovodrun", "kill-mpirun", "hang-horovodrun", "hang-mpirun"])
+def test_a_dead_or_hung_rank_stops_the_job_within_60_seconds(kind, signum, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    job = start_job(kind, ["-m", "hvdtrain", "--config", "debug", f"data.dir={tiny_data}", f"output.dir={run_dir}",
+                           "train.epochs=100", "dist.timeout_seconds=20"], tmp_path)
+    try:
+        lines = wait_for_line(job, "epoch 1/100 ")
+        pids = rank_pids(str(run_dir))
+        sent = time.monotonic()
+        os.kill(pids[1], signum)
+        rest, _ = job.communicate(timeout=90)
+        elapsed = time.monotonic() - sent
+    finally:
+        job.kill()
+        if signum == signal.SIGSTOP:
+            for pid in pids.values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    output = "".join(lines) + rest
+    assert job.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.1f}s"
+    if signum == signal.SIGSTOP:
+        # Nobody exited: hvdtrain itself must notice and name the rank that stopped answering.
+        assert f"lost rank 1 ({os.uname().nodename if kind == 'mpirun' else 'localhost'}, pid {pids[1]})" in output
+    elif kind == "mpirun":
+        assert "process rank 1" in output and "exited on signal 9" in output
+    else:
+        assert "Process name: 1" in output and "Exit code: 137" in output
+        assert f"1=localhost:{pids[1]}" in output  # the start-up rank table maps the rank to its host
