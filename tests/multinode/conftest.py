@@ -22,3 +22,19 @@ def two_nodes(tmp_path_factory) -> TwoNodes:
         yield nodes
     finally:
         nodes.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A running one-machine Slurm cluster (see slurm.SlurmCluster); skips with the reason where
+    Slurm cannot run (not root, slurm-wlm/munge not installed)."""
+    from .slurm import SlurmCluster, unavailable_reason as slurm_unavailable
+
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
