@@ -115,7 +115,6 @@ class TwoNodes:
         self._lock = None
         self._created_ssh_dir = False
         self._created_ssh_config = False
-        self._created_run_sshd = False
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self, lock_timeout: float = 900) -> "TwoNodes":
@@ -177,9 +176,9 @@ class TwoNodes:
         self.ssh_config.write_text(self._client_block() + existing)
         os.chmod(self.ssh_config, 0o600)
 
-        if not Path("/run/sshd").exists():  # sshd's privilege separation directory
-            Path("/run/sshd").mkdir(mode=0o755, parents=True)
-            self._created_run_sshd = True
+        # sshd's privilege separation directory; the package's service creates it at boot. It is
+        # left in place (empty, root's): another session's sshd may be using it.
+        Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
         for host in self.hosts:
             config = self.workdir / host / "sshd_config"
             check = run(["/usr/sbin/sshd", "-t", "-f", str(config)], capture_output=True, text=True)
@@ -266,8 +265,6 @@ class TwoNodes:
                     self.ssh_config.write_text(rest)
             if self._created_ssh_dir and SSH_DIR.exists() and not any(SSH_DIR.iterdir()):
                 SSH_DIR.rmdir()
-            if self._created_run_sshd:
-                shutil.rmtree("/run/sshd", ignore_errors=True)
         finally:
             if self._lock is not None:
                 self._lock.close()  # releases the flock
