@@ -7,6 +7,8 @@ and both ranks finish with identical parameters.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,12 @@ def test_mpirun_with_a_hostfile_trains_across_two_nodes(two_nodes, tiny_data, tm
     assert "2 ranks on 2 host(s)" in result.stdout
     # Open MPI starts one daemon per node over ssh: exactly one login on each.
     assert logins_since(two_nodes, before) == {"node0": 1, "node1": 1}
+
+
+def test_host_discovery_script_lists_the_hosts_that_answer_ssh(two_nodes, tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(f"# elastic hosts\nnode0 slots=2\nnode1:1\n{two_nodes.unreachable_host} slots=4\n")
+    result = subprocess.run(["bash", str(REPO / "hostfiles" / "discover-hosts.sh")], capture_output=True,
+                            text=True, env={**os.environ, "HVDTRAIN_HOSTS_FILE": str(hosts)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["node0:2", "node1:1"]  # node-down does not answer: left out
