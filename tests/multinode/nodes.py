@@ -26,6 +26,7 @@ API used by the tests (and meant for reuse, e.g. elastic tests that kill a worke
     nodes.hostfile(path, slots=1, style="horovod" | "openmpi", hosts=None) -> Path
     nodes.ssh(host, command)         CompletedProcess of ``ssh host command``
     nodes.horovodrun(program, cwd, np=2, hosts="node0:1,node1:1", controller="gloo", extra=())
+                                     (hosts=None: no -H, e.g. with --host-discovery-script in extra)
     nodes.mpirun(program, cwd, np=2, hostfile=None, extra=())
     nodes.env(cwd)                   the environment both launchers get (PYTHONPATH=repo, ...)
 
@@ -303,16 +304,18 @@ class TwoNodes:
         })
         return env
 
-    def horovodrun(self, program: list[str], cwd: Path, np: int = 2, hosts: str = "node0:1,node1:1",
+    def horovodrun(self, program: list[str], cwd: Path, np: int = 2, hosts: str | None = "node0:1,node1:1",
                    controller: str = "gloo", extra: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT,
                    check: bool = True) -> subprocess.CompletedProcess:
         """``horovodrun -np N -H hosts --gloo|--mpi --network-interfaces lo python program``.
 
+        ``hosts=None`` leaves out ``-H`` (elastic runs: pass ``extra=("--host-discovery-script",
+        path, "--min-np", "1")`` with a script such as hostfiles/discover-hosts.sh).
         All node addresses live on ``lo``; Horovod would otherwise probe every interface of every
         host for one that routes between them. horovodrun forwards the environment (PYTHONPATH,
         the venv's PATH) to the remote ranks itself.
         """
-        cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", hosts, f"--{controller}",
+        cmd = [str(BIN / "horovodrun"), "-np", str(np), *(["-H", hosts] if hosts else []), f"--{controller}",
                "--network-interfaces", "lo", "--disable-cache", *extra, str(BIN / "python"), *program]
         return self._run(cmd, cwd, timeout, check)
 

@@ -85,3 +85,12 @@ def test_host_discovery_script_lists_the_hosts_that_answer_ssh(two_nodes, tmp_pa
                             text=True, env={**os.environ, "HVDTRAIN_HOSTS_FILE": str(hosts)}, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["node0:2", "node1:1"]  # node-down does not answer: left out
+
+
+def test_a_block_left_by_a_crashed_run_is_removed_exactly():
+    from .nodes import BEGIN, END, strip_block
+
+    original = "127.0.0.1 localhost\n10.0.0.5 gpu01\n"
+    stale = original + f"{BEGIN}\n127.0.0.2 node0\n{END}\n"
+    assert strip_block(stale) == original
+    assert strip_block(original) == original
