@@ -15,6 +15,7 @@ demo: setup
 		$(PY) -m hvdtrain --config demo $(ARGS)
 
 test: setup
+	@bash scripts/test-deps.sh
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-unit: setup

@@ -101,7 +101,18 @@ def cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate}
+def cmd_doctor(argv: list[str]) -> int:
+    from . import doctor
+
+    try:
+        return doctor.main(argv)
+    except doctor.DoctorError as error:
+        print(f"hvdtrain doctor: error: {error}", file=sys.stderr, flush=True)
+        return 2
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate,
+                                                   "doctor": cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

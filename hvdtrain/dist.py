@@ -72,6 +72,13 @@ def built() -> dict[str, bool]:
     return {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built())}
 
 
+def version() -> str:
+    """The installed Horovod version."""
+    import horovod
+
+    return horovod.__version__
+
+
 def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Sum over ranks; returns a new tensor."""
     return hvd.allreduce(tensor, op=hvd.Sum, name=name)
@@ -79,6 +86,11 @@ def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor
 
 def allreduce_mean(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     return hvd.allreduce(tensor, op=hvd.Average, name=name)
+
+
+def allreduce_max(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Element-wise maximum over ranks (e.g. the slowest rank's time)."""
+    return hvd.allreduce(tensor, op=hvd.Max, name=name)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:

@@ -1,0 +1,412 @@
+"""``hvdtrain doctor``: is this set of hosts ready for a multi-node run, and how fast is allreduce?
+
+    python -m hvdtrain doctor -H node0:1,node1:1
+    python -m hvdtrain doctor --hostfile hostfiles/two-nodes.example --network-interfaces eth0
+
+1. Every host answers over ssh (hosts that are this machine run locally, as with horovodrun) and
+   reports its Python, torch, Horovod and hvdtrain versions, GPUs, Horovod's build (NCCL, Gloo,
+   MPI) and its network interfaces. Different versions or builds, or an unreachable host, end
+   the doctor with exit status 1 and one line per problem naming the host.
+2. One rank per slot is launched with horovodrun, once per controller Horovod was built with
+   (Gloo, MPI); each job times allreduce (sum, float32) over a sweep of sizes, on CPU tensors and,
+   where every host has a GPU and NCCL ops, on GPU tensors. The table shows bus bandwidth as
+   nccl-tests defines it: busbw = algbw x 2(n-1)/n, algbw = bytes / time, time = the slowest
+   rank's mean time per allreduce; so busbw is comparable across rank counts and approaches the
+   link bandwidth for ring allreduce.
+
+Internal modes (run by the doctor itself on each host): ``--probe`` prints the host's facts as
+one JSON line; ``--bench`` runs the timing loop under a launcher and rank 0 prints the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULT_MARKER = "HVDTRAIN_DOCTOR_BENCH "
+DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
+# Facts that must agree on every host for Horovod to work (or to give the same results).
+COMPARED = ("python", "torch", "horovod", "hvdtrain", "built")
+
+
+class DoctorError(Exception):
+    """A problem with the doctor's own arguments (bad host list, unreadable hostfile)."""
+
+
+@dataclass
+class Host:
+    name: str
+    slots: int
+    facts: dict[str, Any] = field(default_factory=dict)
+    problem: str = ""
+
+
+# --- arguments ---------------------------------------------------------------------------------
+def parse_hosts(spec: str) -> list[Host]:
+    """``node0:2,node1:2`` (slots default to 1) -> hosts, as horovodrun's -H reads it."""
+    hosts = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, slots = item.partition(":")
+        if not name or (slots and not slots.isdigit()) or slots == "0":
+            raise DoctorError(f"bad host '{item}' in -H: expected host or host:slots, e.g. node0:8,node1:8")
+        hosts.append(Host(name, int(slots or 1)))
+    if not hosts:
+        raise DoctorError("no hosts given: use -H node0:1,node1:1 or --hostfile FILE")
+    return hosts
+
+
+def read_hostfile(path: Path) -> list[Host]:
+    """Lines ``host slots=N`` (horovodrun and Open MPI's format); ``#`` starts a comment."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise DoctorError(f"cannot read hostfile {path}: {error.strerror}") from None
+    hosts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(\S+)(?:\s+slots\s*=\s*(\d+))?(?:\s+max_slots\s*=\s*\d+)?", line)
+        if not match or match.group(2) == "0":
+            raise DoctorError(f"{path}:{number}: expected 'host slots=N', got '{line}'")
+        hosts.append(Host(match.group(1), int(match.group(2) or 1)))
+    if not hosts:
+        raise DoctorError(f"hostfile {path} lists no hosts")
+    return hosts
+
+
+def parse_sizes(spec: str) -> list[int]:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for item in spec.split(","):
+        match = re.fullmatch(r"(\d+)([KMG]?)(?:i?B)?", item.strip(), re.IGNORECASE)
+        if not match or int(match.group(1)) == 0:
+            raise DoctorError(f"bad size '{item}' in --sizes: expected e.g. 4K,1M,64M")
+        size = int(match.group(1)) * units[match.group(2).upper()]
+        sizes.append(max(4, size // 4 * 4))  # whole float32 elements
+    return sizes
+
+
+def human_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+# --- step 1: facts per host --------------------------------------------------------------------
+def local_facts() -> dict[str, Any]:
+    """What this host has, as one JSON-able dict (run on every host by ``--probe``)."""
+    import psutil
+    import torch
+
+    import hvdtrain
+
+    from . import dist
+
+    interfaces = {}
+    for name, addresses in psutil.net_if_addrs().items():
+        ipv4 = [a.address for a in addresses if a.family == socket.AF_INET]
+        if ipv4:
+            interfaces[name] = ipv4
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    return {
+        "hostname": socket.gethostname(), "executable": sys.executable,
+        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "",
+        "horovod": dist.version(), "hvdtrain": hvdtrain.__version__,
+        "hvdtrain_path": str(Path(hvdtrain.__file__).parent), "gpus": gpus, "built": dist.built(),
+        "interfaces": interfaces,
+    }
+
+
+def is_local(name: str) -> bool:
+    """True when ``name`` is this machine (horovodrun runs those ranks without ssh, and so do we)."""
+    import psutil
+
+    if name in ("localhost", socket.gethostname()):
+        return True
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        return False
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    return address in local
+
+
+def ssh_command(host: str, remote: str, port: int | None, identity: str | None, timeout: int) -> list[str]:
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}"]
+    if port:
+        cmd += ["-p", str(port)]
+    if identity:
+        cmd += ["-i", identity]
+    return cmd + [host, remote]
+
+
+def probe_host(host: Host, args: argparse.Namespace) -> None:
+    """Fill ``host.facts`` (or ``host.problem``) by running ``--probe`` there."""
+    python = sys.executable
+    forwarded = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    if is_local(host.name):
+        cmd = [python, "-m", "hvdtrain", "doctor", "--probe"]
+    else:
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded.items())
+        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} {shlex.quote(python)} -m hvdtrain doctor --probe"
+        cmd = ssh_command(host.name, remote, args.ssh_port, args.ssh_identity_file, args.connect_timeout)
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.connect_timeout + 120)
+    except subprocess.TimeoutExpired:
+        host.problem = "no answer within the time limit (ssh or Python hangs)"
+        return
+    last_error = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    if result.returncode == 255:
+        host.problem = f"not reachable over ssh ({last_error}); check that `ssh {host.name} true` works " \
+                       "without a password or prompt"
+    elif result.returncode == 127:
+        host.problem = f"{python} not found there: every host needs the same Python environment at the same path"
+    elif result.returncode != 0:
+        host.problem = f"the probe failed there ({last_error}); run `{python} -m hvdtrain doctor --probe` on it"
+    else:
+        try:
+            host.facts = json.loads(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            host.problem = f"unexpected probe output: {result.stdout[-200:]!r}"
+
+
+def compare_hosts(hosts: list[Host]) -> list[str]:
+    """Problems that make the hosts unfit to train together, one line each, naming the host."""
+    problems = [f"{h.name}: {h.problem}" for h in hosts if h.problem]
+    reachable = [h for h in hosts if not h.problem]
+    if len(reachable) < 2:
+        return problems
+    reference = reachable[0]
+    for host in reachable[1:]:
+        for key in COMPARED:
+            mine, theirs = host.facts.get(key), reference.facts.get(key)
+            if mine != theirs:
+                problems.append(f"{host.name}: {key} {format_fact(key, mine)} differs from "
+                                f"{reference.name}'s {format_fact(key, theirs)} (environments must match)")
+    if not common_interfaces(reachable):
+        problems.append("no network interface name is common to all hosts: pass --network-interfaces "
+                        "(horovodrun) and NCCL_SOCKET_IFNAME explicitly")
+    return problems
+
+
+def format_fact(key: str, value: Any) -> str:
+    if key == "built" and isinstance(value, dict):
+        return "+".join(name for name in ("nccl", "gloo", "mpi") if value.get(name)) or "nothing"
+    return str(value)
+
+
+def common_interfaces(hosts: list[Host]) -> list[str]:
+    names = [set(h.facts.get("interfaces", {})) for h in hosts if h.facts]
+    return sorted(set.intersection(*names)) if names else []
+
+
+def print_hosts(hosts: list[Host]) -> None:
+    header = f"{'host':<16} {'slots':>5}  {'python':<8} {'torch':<14} {'horovod':<8} {'hvdtrain':<8} " \
+             f"{'built':<14} gpus"
+    print(header)
+    for host in hosts:
+        f = host.facts
+        if not f:
+            print(f"{host.name:<16} {host.slots:>5}  unreachable or failed: see below")
+            continue
+        gpus = f"{len(f['gpus'])} x {f['gpus'][0]}" if f["gpus"] else "none"
+        print(f"{host.name:<16} {host.slots:>5}  {f['python']:<8} {f['torch']:<14} {f['horovod']:<8} "
+              f"{f['hvdtrain']:<8} {format_fact('built', f['built']):<14} {gpus}")
+
+
+# --- step 2: allreduce bandwidth ---------------------------------------------------------------
+def iterations_for(size: int, iters: int) -> int:
+    """Enough repetitions to time a size well, few enough for large sizes to stay quick."""
+    return iters if iters else max(3, min(50, (256 << 20) // size))
+
+
+def bench(sizes: list[int], iters: int, warmup: int) -> None:
+    """Under a launcher: time allreduce for every size; rank 0 prints one JSON line of results."""
+    import torch
+
+    from . import dist
+
+    dist.init()
+    torch.set_num_threads(1)
+    devices = ["cpu"]
+    if torch.cuda.is_available() and dist.built()["nccl"]:
+        devices.append("cuda")
+    # Every rank must take the GPU path or none: allreduce the decision.
+    has_cuda = dist.allreduce_sum(torch.tensor([1 if "cuda" in devices else 0]), name="doctor.cuda")
+    if int(has_cuda) != dist.size():
+        devices = ["cpu"]
+    results: dict[str, list[float]] = {}
+    for device in devices:
+        if device == "cuda":
+            torch.cuda.set_device(dist.local_rank())
+        times = []
+        for size in sizes:
+            tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+            for i in range(warmup):
+                dist.allreduce_sum(tensor, name=f"doctor.warmup.{device}.{size}")
+            count = iterations_for(size, iters)
+            dist.barrier()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(count):
+                out = dist.allreduce_sum(tensor, name=f"doctor.{device}.{size}")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - start) / count
+            assert float(out[0]) == dist.size(), "allreduce returned a wrong sum"
+            slowest = dist.allreduce_max(torch.tensor([elapsed], dtype=torch.float64), name=f"doctor.t.{device}.{size}")
+            times.append(float(slowest))
+        results[device] = times
+    if dist.is_primary():
+        print(RESULT_MARKER + json.dumps({"controller": dist.controller(), "size": dist.size(),
+                                          "sizes": sizes, "seconds": results}), flush=True)
+    dist.shutdown()
+
+
+def bus_bandwidth(size: int, seconds: float, ranks: int) -> float:
+    """nccl-tests' bus bandwidth for allreduce, in bytes/s: algbw x 2(n-1)/n."""
+    return size / seconds * 2 * (ranks - 1) / ranks
+
+
+def run_bench(controller: str, hosts: list[Host], args: argparse.Namespace) -> tuple[dict | None, str]:
+    bin_dir = Path(sys.executable).parent
+    horovodrun = str(bin_dir / "horovodrun")
+    np_ = sum(h.slots for h in hosts)
+    cmd = [horovodrun, "-np", str(np_), "-H", ",".join(f"{h.name}:{h.slots}" for h in hosts), f"--{controller}"]
+    if args.network_interfaces:
+        cmd += ["--network-interfaces", args.network_interfaces]
+    if args.ssh_port:
+        cmd += ["--ssh-port", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        cmd += ["--ssh-identity-file", args.ssh_identity_file]
+    cmd += [sys.executable, "-m", "hvdtrain", "doctor", "--bench", "--sizes", args.sizes,
+            "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.bench_timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"no result within {args.bench_timeout}s"
+    for line in result.stdout.splitlines():
+        if RESULT_MARKER in line:
+            # Output of other ranks may follow on the same line: decode the one object only.
+            return json.JSONDecoder().raw_decode(line.split(RESULT_MARKER, 1)[1])[0], ""
+    output = (result.stderr.strip() or result.stdout.strip()).splitlines()
+    return None, f"horovodrun exited {result.returncode}: {' | '.join(output[-3:])}"
+
+
+def print_bandwidth(results: list[dict]) -> str:
+    """The table of bus bandwidths; returns the fastest column's name."""
+    columns = [(f"{r['controller']}/{device}", r, device) for r in results for device in r["seconds"]]
+    sizes = results[0]["sizes"]
+    ranks = results[0]["size"]
+    table = {name: [bus_bandwidth(s, t, ranks) for s, t in zip(sizes, r["seconds"][device])]
+             for name, r, device in columns}
+    peak = max(max(values) for values in table.values())
+    unit, scale = ("GB/s", 1e9) if peak >= 1e9 else ("MB/s", 1e6)
+    print(f"\nallreduce (sum, float32) over {ranks} ranks: bus bandwidth in {unit} "
+          f"(nccl-tests: busbw = size/time x 2(n-1)/n)")
+    print(f"{'size':>10}  " + "  ".join(f"{name:>12}" for name, _, _ in columns))
+    for i, size in enumerate(sizes):
+        print(f"{human_size(size):>10}  " + "  ".join(f"{table[name][i] / scale:>12.3f}" for name, _, _ in columns))
+    fastest = max(table, key=lambda name: table[name][-1])
+    print(f"fastest at {human_size(sizes[-1])}: {fastest} ({table[fastest][-1] / scale:.3f} {unit})")
+    return fastest
+
+
+# --- command line ------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvdtrain doctor",
+        description="Check that hosts can train together (ssh, versions, Horovod build, interfaces) and "
+                    "measure allreduce bandwidth with one rank per slot.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="host:slots,... as for horovodrun (default: localhost:2)")
+    where.add_argument("--hostfile", type=Path, help="file of 'host slots=N' lines")
+    p.add_argument("-p", "--ssh-port", type=int, help="ssh port on all hosts (default: ssh's own configuration)")
+    p.add_argument("-i", "--ssh-identity-file", help="ssh private key")
+    p.add_argument("--network-interfaces", help="interfaces for horovodrun, e.g. eth0 or ib0 "
+                   "(default: horovodrun finds the common routed ones)")
+    p.add_argument("--controllers", default="auto", help="gloo,mpi or a subset (default: those Horovod was built with)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"allreduce sizes in bytes (default: {DEFAULT_SIZES})")
+    p.add_argument("--iters", type=int, default=0, help="timed allreduces per size (default: 3-50 by size)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed allreduces per size first")
+    p.add_argument("--skip-bench", action="store_true", help="only check the hosts")
+    p.add_argument("--connect-timeout", type=int, default=10, help="ssh connect timeout in seconds")
+    p.add_argument("--bench-timeout", type=int, default=600, help="seconds allowed per bandwidth job")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bench", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.probe:
+        print(json.dumps(local_facts()), flush=True)
+        return 0
+    sizes = parse_sizes(args.sizes)
+    if args.bench:
+        bench(sizes, args.iters, args.warmup)
+        return 0
+    hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts or "localhost:2")
+    if len({h.name for h in hosts}) != len(hosts):
+        raise DoctorError("a host is listed twice: give each host once with its slot count")
+
+    print(f"hvdtrain doctor: {len(hosts)} host(s), {sum(h.slots for h in hosts)} slot(s)", flush=True)
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        list(pool.map(lambda host: probe_host(host, args), hosts))
+    print_hosts(hosts)
+    reachable = [h for h in hosts if h.facts]
+    if reachable:
+        print(f"network interfaces on every host: {', '.join(common_interfaces(reachable)) or 'none'}")
+    problems = compare_hosts(hosts)
+    for host in reachable:
+        if host.facts["gpus"] and host.slots > len(host.facts["gpus"]):
+            print(f"note: {host.name} has {host.slots} slots but {len(host.facts['gpus'])} GPU(s): ranks would share GPUs")
+    if problems:
+        for problem in problems:
+            print(f"hvdtrain doctor: {problem}", file=sys.stderr)
+        return 1
+    if args.skip_bench:
+        print("hosts OK (bandwidth not measured: --skip-bench)")
+        return 0
+
+    built = reachable[0].facts["built"]
+    wanted = ["gloo", "mpi"] if args.controllers == "auto" else [c.strip() for c in args.controllers.split(",")]
+    unknown = [c for c in wanted if c not in ("gloo", "mpi")]
+    if unknown:
+        raise DoctorError(f"unknown controller '{unknown[0]}' in --controllers: choose gloo and/or mpi")
+    controllers = [c for c in wanted if built.get(c)]
+    if not controllers:
+        print(f"hvdtrain doctor: Horovod has none of {', '.join(wanted)} built", file=sys.stderr)
+        return 1
+    results, failed = [], []
+    for controller in controllers:
+        print(f"measuring allreduce with the {controller} controller ...", flush=True)
+        result, error = run_bench(controller, hosts, args)
+        if result:
+            results.append(result)
+        else:
+            failed.append(f"{controller} controller: {error}")
+    if results:
+        print_bandwidth(results)
+    for problem in failed:
+        print(f"hvdtrain doctor: {problem}", file=sys.stderr)
+    return 1 if failed else 0

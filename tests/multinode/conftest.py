@@ -1,0 +1,40 @@
+"""Fixtures for multi-machine tests: ``two_nodes`` (node0/node1 over real ssh, see nodes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .nodes import TwoNodes, unavailable_reason
+
+
+@pytest.fixture(scope="session")
+def two_nodes(tmp_path_factory) -> TwoNodes:
+    """Two ssh-reachable machines, node0 and node1, for the whole session (see nodes.TwoNodes).
+
+    Skips, with the reason, where the harness cannot run (not root, no sshd).
+    """
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    nodes = TwoNodes(tmp_path_factory.mktemp("two_nodes"))
+    nodes.start()
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A running one-machine Slurm cluster (see slurm.SlurmCluster); skips with the reason where
+    Slurm cannot run (not root, slurm-wlm/munge not installed)."""
+    from .slurm import SlurmCluster, unavailable_reason as slurm_unavailable
+
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,45 @@
+"""``hvdtrain doctor`` against the two ssh-reachable machines and a host that does not answer."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from .nodes import BIN, TwoNodes
+
+
+def doctor(nodes: TwoNodes, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "python"), "-m", "hvdtrain", "doctor", *args], cwd=tmp_path,
+                          env=nodes.env(tmp_path), capture_output=True, text=True, timeout=600)
+
+
+def test_doctor_checks_both_nodes_and_measures_allreduce(two_nodes, tmp_path):
+    hostfile = two_nodes.hostfile(tmp_path / "hosts")
+    before = two_nodes.accepted_logins()
+    result = doctor(two_nodes, tmp_path, "--hostfile", str(hostfile), "--network-interfaces", "lo",
+                    "--sizes", "4K,256K,4M")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for host in two_nodes.hosts:  # one row per host: versions and Horovod's build
+        assert re.search(rf"^{host}\s+1\s+3\.\d+\.\d+\s+\S+\s+0\.28\.1\s+0\.1\.0\s+\S*gloo\+mpi\s+none$", out, re.M), out
+    assert re.search(r"network interfaces on every host: .*\blo\b", out)
+    header = next(line for line in out.splitlines() if line.strip().startswith("size"))
+    assert header.split() == ["size", "gloo/cpu", "mpi/cpu"]
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+ (KiB|MiB)\s", line)]
+    assert [" ".join(row[:2]) for row in rows] == ["4 KiB", "256 KiB", "4 MiB"]
+    assert all(float(value) > 0 for row in rows for value in row[2:])
+    assert re.search(r"^fastest at 4 MiB: (gloo|mpi)/cpu \(\d+\.\d+ [MG]B/s\)$", out, re.M), out
+    assert "over 2 ranks" in out
+    logins = {h: n - before[h] for h, n in two_nodes.accepted_logins().items()}
+    # The probe, then each controller's job, reached both machines over ssh.
+    assert logins["node0"] >= 3 and logins["node1"] >= 3, logins
+
+
+def test_doctor_names_the_unreachable_host_and_fails(two_nodes, tmp_path):
+    result = doctor(two_nodes, tmp_path, "-H", f"node0:1,{two_nodes.unreachable_host}:1", "--skip-bench")
+    assert result.returncode == 1
+    assert re.search(r"^hvdtrain doctor: node-down: not reachable over ssh \(.*Connection refused\)",
+                     result.stderr, re.M), result.stderr
+    assert "node0:" not in result.stderr  # the reachable host is not blamed
+    assert re.search(r"^node0\s+1\s+3\.", result.stdout, re.M)
+    assert "measuring allreduce" not in result.stdout
