@@ -7,10 +7,14 @@ batches on the training device.
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
+import os
 import random
 import signal
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -182,17 +186,42 @@ class SeededSamples(Dataset):
                 random.setstate(python_state)
 
 
-def ignore_stop_signals(worker_id: int = 0) -> None:
-    """Loader workers leave SIGTERM/SIGUSR1 to the training process, which stops at a step
-    boundary and checkpoints; a worker killed by the same signal would fail the next batch first."""
+def init_worker(worker_id: int, trainer_pid: int) -> None:
+    """Set up a loader worker.
+
+    Workers leave SIGTERM/SIGUSR1 to the training process, which stops at a step boundary and
+    checkpoints; a worker killed by the same signal would fail the next batch first. In exchange
+    a worker must not outlive the training process: forkserver workers are children of the fork
+    server, not of the trainer, so PyTorch's parent check does not see the trainer die.
+    """
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+
+    def exit_with_trainer() -> None:
+        while True:
+            time.sleep(2.0)
+            try:
+                os.kill(trainer_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=exit_with_trainer, name="hvdtrain-orphan-check", daemon=True).start()
+
+
+def shutdown_workers(*loaders: object) -> None:
+    """Stop persistent loader workers now rather than at interpreter exit."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 def loader_kwargs(data: DataConfig, pin_memory: bool) -> dict:
     kwargs: dict = {"num_workers": data.workers, "pin_memory": pin_memory}
     if data.workers > 0:
-        kwargs["worker_init_fn"] = ignore_stop_signals
+        kwargs["worker_init_fn"] = functools.partial(init_worker, trainer_pid=os.getpid())
         kwargs["persistent_workers"] = True
         kwargs["prefetch_factor"] = data.prefetch_factor
         # Forking a process that has initialized MPI/NCCL/CUDA is unsafe; forkserver forks from a

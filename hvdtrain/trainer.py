@@ -15,7 +15,7 @@ import torch
 
 from . import checkpoint, dist
 from .config import Config, dump_yaml, to_dict
-from .data import DataError, DeviceNormalizer, build_loaders
+from .data import DataError, DeviceNormalizer, build_loaders, shutdown_workers
 from .demo_data import ensure_demo_dataset
 from .engine import TrainState, evaluate, train_one_epoch
 from .metrics import MetricsWriter
@@ -317,6 +317,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
         line, speak = lost_message(run.peers, dist.rank(), f"a collective failed ({first_line[:100]})")
         raise LostRank(line, speak) from None
     finally:
+        shutdown_workers(loaders.train, loaders.val)
         if writer is not None:
             writer.close()
     return run, last

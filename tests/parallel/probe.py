@@ -13,12 +13,15 @@ from hvdtrain import dist
 from hvdtrain.cli import train_parser
 from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
-from hvdtrain.trainer import train
+from hvdtrain.trainer import Preempted, train
 
 def main() -> None:
     out = Path(sys.argv[1])
     args = train_parser().parse_args(sys.argv[2:])
-    run, metrics = train(load_config(args.config, args.overrides))
+    try:
+        run, metrics = train(load_config(args.config, args.overrides))
+    except Preempted as stop:  # as python -m hvdtrain does
+        sys.exit(stop.exit_code)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({
         "state": unwrap_state_dict(run.state.model),
