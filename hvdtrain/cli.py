@@ -94,7 +94,14 @@ def cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate}
+def cmd_bench_data(argv: list[str]) -> int:
+    from .bench_data import main as bench_data_main
+
+    return bench_data_main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate,
+                                                   "bench-data": cmd_bench_data}
 
 
 def main(argv: list[str] | None = None) -> int:

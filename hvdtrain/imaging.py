@@ -148,7 +148,7 @@ def decode_with_pillow(data: bytes, box: Box, size: int) -> tuple[np.ndarray, fl
             if factor >= MIN_DCT_FACTOR and image.format == "JPEG":
                 image.draft(image.mode, (math.ceil(width / factor), math.ceil(height / factor)))
             rgb = image.convert("RGB")
-            array = np.asarray(rgb)
+            array = np.array(rgb)  # writable: torch.from_numpy warns on read-only arrays
     except Exception as error:  # OSError, SyntaxError, ValueError, DecompressionBombError, ...
         raise BadImage(describe(error)) from None
     return array, array.shape[1] / width, array.shape[0] / height
