@@ -122,7 +122,10 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.seed)
     train_set, _, index = file_datasets(data, root)
     batch = cfg.train.batch_size
-    needed = (args.rounds + 1) * args.batches * batch
+    # With worker processes, a pipeline's workers fill their prefetch queue while the other
+    # pipeline is measured; each round first takes those ready batches, untimed.
+    backlog = data.workers * data.prefetch_factor
+    needed = (args.rounds + 1) * (args.batches + backlog) * batch
     generator = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_set), generator=generator).tolist()
     order = (order * (needed // max(1, len(order)) + 1))[:needed]
@@ -144,6 +147,7 @@ def main(argv: list[str]) -> int:
     for round_index in range(args.rounds):
         names = list(iterators) if round_index % 2 == 0 else list(reversed(iterators))
         for name in names:
+            run_round(iterators[name], backlog)
             images, seconds = run_round(iterators[name], args.batches)
             rates[name].append(images / seconds)
             totals[name][0] += images

@@ -98,18 +98,18 @@ def is_jpeg(data: bytes) -> bool:
     return data[:3] == b"\xff\xd8\xff"
 
 
-def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from the header alone."""
+def image_size(data: bytes) -> tuple[int, int, bool]:
+    """(width, height, whether libjpeg-turbo will decode it) from the header alone."""
     if is_jpeg(data):
         try:
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
             if colorspace != "CMYK":
-                return width, height
+                return width, height, True
         except ValueError:
             pass
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return image.size
+            return image.size[0], image.size[1], False
     except Exception as error:  # Pillow raises many types on garbage
         raise BadImage(describe(error)) from None
 
@@ -119,22 +119,22 @@ def describe(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def decode(data: bytes, box: Box, size: int) -> tuple[np.ndarray, float, float]:
+def decode(data: bytes, box: Box, size: int, turbo: bool = True) -> tuple[np.ndarray, float, float]:
     """Decode at the smallest DCT scale that keeps ``box`` at >= ``size`` pixels on both sides.
 
     Returns an RGB HWC uint8 array and the factors from original to decoded coordinates.
+    ``turbo``: the header said libjpeg-turbo can decode it (see ``image_size``).
     """
-    if is_jpeg(data):
+    if turbo:
         try:
-            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-            if colorspace != "CMYK":
-                factor = min(box[2], box[3]) / size
-                kwargs = {}
-                if factor >= MIN_DCT_FACTOR:
-                    kwargs = dict(min_width=math.ceil(width / factor), min_height=math.ceil(height / factor),
-                                  min_factor=MIN_DCT_FACTOR)
-                array = simplejpeg.decode_jpeg(data, colorspace="RGB", **kwargs)
-                return array, array.shape[1] / width, array.shape[0] / height
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            factor = min(box[2], box[3]) / size
+            kwargs = {}
+            if factor >= MIN_DCT_FACTOR:
+                kwargs = dict(min_width=math.ceil(width / factor), min_height=math.ceil(height / factor),
+                              min_factor=MIN_DCT_FACTOR)
+            array = simplejpeg.decode_jpeg(data, colorspace="RGB", **kwargs)
+            return array, array.shape[1] / width, array.shape[0] / height
         except ValueError:
             pass  # strict libjpeg-turbo refused it; Pillow is more lenient and decides
     return decode_with_pillow(data, box, size)
@@ -183,11 +183,11 @@ class TrainCrop:
         self.size = size
 
     def __call__(self, data: bytes) -> torch.Tensor:
-        width, height = image_size(data)
+        width, height, turbo = image_size(data)
         top, left, h, w = crop_params(width, height)
         flip = bool(torch.rand(1) < 0.5)
         box = (float(left), float(top), float(w), float(h))
-        array, sx, sy = decode(data, box, self.size)
+        array, sx, sy = decode(data, box, self.size, turbo)
         return crop_resize(array, box, sx, sy, self.size, flip)
 
 
@@ -198,11 +198,11 @@ class CenterCrop:
         self.size, self.resize = size, resize
 
     def __call__(self, data: bytes) -> torch.Tensor:
-        width, height = image_size(data)
+        width, height, turbo = image_size(data)
         box = center_crop_box(width, height, self.resize, self.size)
         if box is None:
             return self.padded(data)
-        array, sx, sy = decode(data, box, self.size)
+        array, sx, sy = decode(data, box, self.size, turbo)
         # The center box has fractional corners; Pillow's resize takes them exactly (the torch
         # kernel would need a crop rounded to whole pixels: a half-pixel shift).
         image = Image.frombuffer("RGB", (array.shape[1], array.shape[0]), array, "raw", "RGB", 0, 1)
