@@ -111,8 +111,14 @@ def cmd_doctor(argv: list[str]) -> int:
         return 2
 
 
+def cmd_bench_data(argv: list[str]) -> int:
+    from .bench_data import main as bench_data_main
+
+    return bench_data_main(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate,
-                                                   "doctor": cmd_doctor}
+                                                   "doctor": cmd_doctor, "bench-data": cmd_bench_data}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,10 @@ class DataConfig:
     """Start method for loader workers; forkserver is safe after MPI/NCCL initialization."""
     prefetch_factor: int = 2
     """Batches each worker loads ahead."""
+    on_bad_file: Literal["skip", "fail"] = "skip"
+    """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
+    index_cache: bool = True
+    """Cache the file list of data.dir under $HVDTRAIN_CACHE (default ~/.cache/hvdtrain); false = scan at every start."""
 
 
 @dataclass

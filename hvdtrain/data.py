@@ -17,24 +17,32 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision import datasets, transforms
+from torchvision import transforms
 
 from .config import Config, DataConfig
+from .file_index import DataError, FileIndex, shared_index
+from .folder_data import CountingLoader, ImageFiles, collate
+from .imaging import CenterCrop, TrainCrop, Transform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class DataError(ValueError):
-    """A problem with the dataset folder, phrased as one line for the user."""
-
-
 def val_resize_size(data: DataConfig) -> int:
     return data.val_resize or int(round(data.image_size / 0.875))
+
+
+def fast_train_transform(data: DataConfig) -> Transform:
+    """Encoded bytes -> uint8 crop; the same augmentation as ``train_transform``, decoded faster."""
+    return TrainCrop(data.image_size) if data.augment else fast_eval_transform(data)
+
+
+def fast_eval_transform(data: DataConfig) -> Transform:
+    return CenterCrop(data.image_size, val_resize_size(data))
 
 
 def train_transform(data: DataConfig) -> transforms.Compose:
@@ -69,27 +77,6 @@ class DeviceNormalizer:
         if images.dtype == torch.uint8:
             images = images.float().sub_(self.mean).div_(self.std)
         return images.contiguous(memory_format=self.memory_format)
-
-
-def check_image_folder(root: Path) -> None:
-    """Fail early, with one line, on the layout mistakes people make."""
-    if not root.is_dir():
-        raise DataError(f"data.dir '{root}' does not exist (set data.dir to a folder with train/ and val/)")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise DataError(f"data.dir '{root}' has no {split}/ folder (expected {root}/{split}/<class>/<image>)")
-
-
-def image_folders(data: DataConfig, root: Path) -> tuple[Dataset, Dataset]:
-    check_image_folder(root)
-    train_set = datasets.ImageFolder(str(root / "train"), transform=train_transform(data))
-    val_set = datasets.ImageFolder(str(root / "val"), transform=eval_transform(data))
-    if train_set.classes != val_set.classes:
-        only_train = sorted(set(train_set.classes) - set(val_set.classes))[:5]
-        only_val = sorted(set(val_set.classes) - set(train_set.classes))[:5]
-        raise DataError(f"classes in {root}/val differ from {root}/train "
-                        f"(only in train: {only_train}, only in val: {only_val}); use the same class folders")
-    return train_set, val_set
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -213,6 +200,7 @@ def init_worker(worker_id: int, trainer_pid: int) -> None:
 def shutdown_workers(*loaders: object) -> None:
     """Stop persistent loader workers now rather than at interpreter exit."""
     for loader in loaders:
+        loader = getattr(loader, "loader", loader)  # CountingLoader wraps a DataLoader
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
@@ -239,6 +227,7 @@ class Loaders:
     num_classes: int
     train_size: int
     val_size: int
+    index: FileIndex | None = None
 
 
 class SyntheticBatches:
@@ -259,7 +248,25 @@ class SyntheticBatches:
         return self.steps
 
 
-def build_loaders(cfg: Config, root: Path | None, rank: int, world_size: int, pin_memory: bool) -> Loaders:
+def index_cache_dir(data: DataConfig) -> Path | None:
+    from .demo_data import cache_root
+
+    return cache_root() if data.index_cache else None
+
+
+def file_datasets(data: DataConfig, root: Path, is_primary: bool = True,
+                  broadcast_object: Callable[[Any], Any] | None = None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
+    """The train and val datasets over rank 0's (cached) file index."""
+    index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object)
+    train_set = ImageFiles(root / "train", index.train.paths, index.train.labels, fast_train_transform(data),
+                           replace_bad=True)
+    val_set = ImageFiles(root / "val", index.val.paths, index.val.labels, fast_eval_transform(data),
+                         replace_bad=False)
+    return train_set, val_set, index
+
+
+def build_loaders(cfg: Config, root: Path | None, rank: int, world_size: int, pin_memory: bool,
+                  broadcast_object: Callable[[Any], Any] | None = None) -> Loaders:
     data, batch = cfg.data, cfg.train.batch_size
     if data.synthetic:
         num_classes = cfg.model.num_classes or 1000
@@ -270,15 +277,18 @@ def build_loaders(cfg: Config, root: Path | None, rank: int, world_size: int, pi
         return Loaders(train, val, None, num_classes, per_rank * world_size, 0)
 
     assert root is not None
-    train_set, val_set = image_folders(data, root)
-    num_classes = cfg.model.num_classes or len(train_set.classes)
+    train_set, val_set, index = file_datasets(data, root, rank == 0, broadcast_object)
+    num_classes = cfg.model.num_classes or len(index.train.classes)
     train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True)
     val_sampler = ShardedSampler(len(val_set), world_size, rank, shuffle=False, pad=False)
     kwargs = loader_kwargs(data, pin_memory)
+    fail = data.on_bad_file == "fail"
     # A private generator: creating an iterator must not consume the global torch RNG, or a run
     # resumed mid-epoch would see different random numbers than an uninterrupted one.
-    train = DataLoader(SeededSamples(train_set), batch_size=batch, sampler=train_sampler, drop_last=True,
-                       generator=torch.Generator().manual_seed(cfg.seed), **kwargs)
-    val = DataLoader(SeededSamples(val_set), batch_size=batch, sampler=val_sampler, drop_last=False,
-                     generator=torch.Generator().manual_seed(cfg.seed), **kwargs)
-    return Loaders(train, val, train_sampler, num_classes, len(train_set), len(val_set))
+    train = CountingLoader(DataLoader(SeededSamples(train_set), batch_size=batch, sampler=train_sampler,
+                                      drop_last=True, collate_fn=collate,
+                                      generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
+    val = CountingLoader(DataLoader(SeededSamples(val_set), batch_size=batch, sampler=val_sampler, drop_last=False,
+                                    collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed),
+                                    **kwargs), fail)
+    return Loaders(train, val, train_sampler, num_classes, len(train_set), len(val_set), index)

@@ -133,7 +133,19 @@ def train_one_epoch(
     wait = allreduce_sum(torch.tensor([data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
     metrics.update(seconds=seconds, lr=lr, images_per_sec=metrics["samples"] / max(seconds, 1e-9),
                    data_wait_fraction=float(wait[0] / wait[1]), stopped=stopped)
+    add_bad_files(metrics, batches, allreduce_sum)
     return metrics
+
+
+def add_bad_files(metrics: dict, batches: Iterable, allreduce_sum: AllreduceSum) -> None:
+    """Undecodable files met this epoch, summed over ranks, for loaders that count them.
+
+    Every rank has the same kind of loader, so every rank takes part in this sum or none does.
+    """
+    pop_bad_files = getattr(batches, "pop_bad_files", None)
+    if pop_bad_files is not None:
+        total = allreduce_sum(torch.tensor([float(pop_bad_files())], dtype=torch.float64))
+        metrics["bad_files"] = int(total[0])
 
 
 @torch.no_grad()
@@ -156,4 +168,5 @@ def evaluate(state: TrainState, batches: Iterable[tuple[torch.Tensor, torch.Tens
     seconds = time.perf_counter() - start
     metrics = sums.reduced(allreduce_sum)
     metrics.update(seconds=seconds, images_per_sec=metrics["samples"] / max(seconds, 1e-9))
+    add_bad_files(metrics, batches, allreduce_sum)
     return metrics

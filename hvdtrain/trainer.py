@@ -101,7 +101,8 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     torch.manual_seed(cfg.seed)
 
     world_size = dist.size()
-    loaders = build_loaders(cfg, dataset_root(cfg), dist.rank(), world_size, pin_memory=device.type == "cuda")
+    loaders = build_loaders(cfg, dataset_root(cfg), dist.rank(), world_size, pin_memory=device.type == "cuda",
+                            broadcast_object=dist.broadcast_object)
     passes = cfg.train.backward_passes_per_step
     steps_per_epoch = len(loaders.train) // passes
     if cfg.train.steps_per_epoch:
@@ -144,6 +145,9 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
         f"device {device.type}, {threads} threads/rank; ranks: "
         + ", ".join(f"{p.rank}={p.host}:{p.pid}" for p in peers[:16]) + (" ..." if len(peers) > 16 else ""))
+    if loaders.index is not None:
+        log(f"hvdtrain: file index of {loaders.index.root} from {loaders.index.source} "
+            f"in {loaders.index.seconds:.2f}s")
     log(f"hvdtrain: {cfg.model.arch} with {loaders.num_classes} classes, "
         f"{'synthetic data' if cfg.data.synthetic else f'{loaders.train_size} train / {loaders.val_size} val images'}")
     log(f"hvdtrain: global batch {global_batch} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
@@ -363,4 +367,11 @@ def epoch_line(epoch: int, epochs: int, train_metrics: dict, val_metrics: dict) 
     return (f"epoch {epoch + 1}/{epochs}  train loss {train_metrics['loss']:.4f} top1 {train_metrics['top1']:.2f}%  "
             f"| val loss {val_metrics['loss']:.4f} top1 {val_metrics['top1']:.2f}% top5 {val_metrics['top5']:.2f}%  "
             f"| {train_metrics['images_per_sec']:.1f} img/s, data wait {100 * train_metrics['data_wait_fraction']:.1f}%, "
-            f"lr {train_metrics['lr']:.4g}, {train_metrics['seconds']:.1f}s")
+            f"lr {train_metrics['lr']:.4g}, {train_metrics['seconds']:.1f}s{bad_files_note(train_metrics, val_metrics)}")
+
+
+def bad_files_note(train_metrics: dict, val_metrics: dict) -> str:
+    bad = {split: m.get("bad_files", 0) for split, m in (("train", train_metrics), ("val", val_metrics))}
+    if not any(bad.values()):
+        return ""
+    return f", bad files skipped: {bad['train']} train / {bad['val']} val"

@@ -30,7 +30,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # Pins. torch/torchvision are the registry's CUDA builds: there is no CPU-only torchvision wheel,
 # and the CUDA build runs fine on machines without a GPU.
 torch_pins=(torch==2.13.0 torchvision==0.28.0)
-python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy==2.4.6 pillow==13.0.0
+python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy==2.4.6 pillow==13.0.0 simplejpeg==1.9.0
              matplotlib==3.11.2 pytest==9.2.0 cloudpickle psutil packaging cffi setuptools wheel)
 
 log() { printf '[setup] %s\n' "$*"; }

@@ -1,0 +1,174 @@
+"""``python -m hvdtrain bench-data``: the training input pipeline alone, in images per second.
+
+It measures what the model's side of a DataLoader sees: read, decode, augment and collate into
+the uint8 batch the training step consumes (normalization then happens on the device, batched).
+With ``--compare`` the plain torchvision pipeline (PIL decode, RandomResizedCrop, flip, ToTensor,
+Normalize, default collate) runs on the same files in the same process, round by round in
+alternation so that drift of the machine (other jobs, frequency, caches) hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from .config import load_config
+from .data import IMAGENET_MEAN, IMAGENET_STD, DataError, file_datasets, loader_kwargs
+from .folder_data import ImageFiles, collate
+
+
+class ReferenceFiles(Dataset):
+    """torchvision.datasets.ImageFolder's loading (PIL open + convert RGB) over the same files."""
+
+    def __init__(self, files: ImageFiles, image_size: int):
+        from torchvision import transforms
+
+        self.files = files
+        self.transform = transforms.Compose([
+            transforms.RandomResizedCrop(image_size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ])
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        with open(f"{self.files.split_dir}/{self.files.paths[index]}", "rb") as handle:
+            image = Image.open(handle).convert("RGB")
+        return self.transform(image), self.files.labels[index]
+
+
+def photo(rng: np.random.Generator, width: int = 500, height: int = 375) -> Image.Image:
+    """A photo-like picture: smooth structure at several scales plus fine texture and sensor noise.
+
+    At JPEG quality 90 these are ~90 KB at 500x375, like ImageNet's photos, so that decoding
+    costs what it costs on real data (flat colours decode several times faster).
+    """
+    image = np.zeros((height, width, 3), np.float32)
+    for cells, amplitude in ((4, 70), (16, 45), (64, 35), (250, 45)):
+        small = rng.normal(0, 1, (max(2, cells * height // width), cells, 3)).astype(np.float32)
+        small = ((small - small.min()) / (np.ptp(small) + 1e-6) * 255).astype(np.uint8)
+        smooth = np.asarray(Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC), np.float32)
+        image += (smooth - 128) / 128 * amplitude
+    image += 128 + rng.normal(0, 13, image.shape)
+    return Image.fromarray(np.clip(image, 0, 255).astype(np.uint8))
+
+
+def make_photo_dataset(root: Path, train_images: int, val_images: int, classes: int = 10, seed: int = 0) -> None:
+    """``root/{train,val}/<class>/*.JPEG`` photo-like 500x375 JPEGs at quality 90."""
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", train_images), ("val", val_images)):
+        for i in range(count):
+            folder = root / split / f"class_{i % classes:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            photo(rng).save(folder / f"img_{i:06d}.JPEG", quality=90)
+
+
+class FixedOrder(torch.utils.data.Sampler[int]):
+    def __init__(self, order: list[int]):
+        self.order = order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def run_round(iterator: Iterator, batches: int) -> tuple[int, float]:
+    start = time.perf_counter()
+    images = 0
+    for _ in range(batches):
+        batch = next(iterator)
+        images += batch[0].shape[0]
+    return images, time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hvdtrain bench-data", description="Images per second of the training input pipeline alone "
+        "(read, decode, augment, collate to the uint8 batch the model consumes).",
+        epilog="Per core: data.workers=0 runtime.threads=1. Example: python -m hvdtrain bench-data "
+        "data.dir=/data/imagenet data.workers=0 runtime.threads=1 --compare")
+    parser.add_argument("--config", "-c", help="YAML config file or shipped config name")
+    parser.add_argument("--compare", action="store_true", help="also run the plain torchvision pipeline, "
+                        "interleaved, and print the ratio")
+    parser.add_argument("--rounds", type=int, default=6, help="measured rounds per pipeline (default 6)")
+    parser.add_argument("--batches", type=int, default=4, help="batches per round (default 4)")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="first write N photo-like 500x375 JPEGs (10 classes) into data.dir if it does not exist")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    data = cfg.data
+    if not data.dir:
+        raise DataError("bench-data needs data.dir=DIR (a train/ and val/ ImageFolder; --generate N makes one)")
+    root = Path(data.dir).expanduser()
+    if args.generate and not root.exists():
+        make_photo_dataset(root, args.generate, max(10, args.generate // 10))
+    threads = cfg.runtime.threads or 1
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    train_set, _, index = file_datasets(data, root)
+    batch = cfg.train.batch_size
+    # With worker processes, a pipeline's workers fill their prefetch queue while the other
+    # pipeline is measured; each round first takes those ready batches, untimed.
+    backlog = data.workers * data.prefetch_factor
+    needed = (args.rounds + 1) * (args.batches + backlog) * batch
+    generator = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(train_set), generator=generator).tolist()
+    order = (order * (needed // max(1, len(order)) + 1))[:needed]
+    kwargs = loader_kwargs(data, pin_memory=False)
+    pipelines = {"hvdtrain": DataLoader(train_set, batch_size=batch, sampler=FixedOrder(order), drop_last=True,
+                                        collate_fn=collate, **kwargs)}
+    if args.compare:
+        pipelines["reference"] = DataLoader(ReferenceFiles(train_set, data.image_size), batch_size=batch,
+                                            sampler=FixedOrder(order), drop_last=True, **kwargs)
+    cpu = cpu_name()
+    print(f"bench-data: {root} ({len(train_set)} train images from {index.source}), crop {data.image_size}, "
+          f"batch {batch}, workers {data.workers}, {threads} thread(s), {args.rounds} rounds x {args.batches} "
+          f"batches; CPU {cpu}, {len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.2f}", flush=True)
+    iterators = {name: iter(loader) for name, loader in pipelines.items()}
+    for name, iterator in iterators.items():  # warm-up: worker start, first file reads
+        run_round(iterator, args.batches)
+    rates: dict[str, list[float]] = {name: [] for name in pipelines}
+    totals = {name: [0, 0.0] for name in pipelines}
+    for round_index in range(args.rounds):
+        names = list(iterators) if round_index % 2 == 0 else list(reversed(iterators))
+        for name in names:
+            run_round(iterators[name], backlog)
+            images, seconds = run_round(iterators[name], args.batches)
+            rates[name].append(images / seconds)
+            totals[name][0] += images
+            totals[name][1] += seconds
+        print(f"round {round_index + 1}: " + ", ".join(f"{name} {rates[name][-1]:.1f} img/s" for name in pipelines),
+              flush=True)
+    overall = {name: images / seconds for name, (images, seconds) in totals.items()}
+    if args.compare:
+        ratios = [a / b for a, b in zip(rates["hvdtrain"], rates["reference"])]
+        print(f"reference_images_per_sec={overall['reference']:.1f}")
+        print(f"ratio={overall['hvdtrain'] / overall['reference']:.2f} (median of rounds "
+              f"{statistics.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f})")
+    print(f"images_per_sec={overall['hvdtrain']:.1f}", flush=True)
+    return 0
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

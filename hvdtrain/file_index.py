@@ -1,0 +1,176 @@
+"""The list of image files of an ImageFolder dataset: checked, scanned once, cached, shared.
+
+Listing 1.28M files takes minutes on a network file system, and every rank doing it at every
+start multiplies that. Rank 0 checks the layout, then loads the index from a cache file, or scans
+and writes one; every other rank receives rank 0's index by broadcast and never touches the
+folder tree. The order of files and classes is exactly ``torchvision.datasets.ImageFolder``'s.
+
+The cache key is, per split, the names and modification times of the split folder and of every
+class folder. Adding, removing or renaming a file directly in a class folder changes that
+folder's mtime, so the index is rebuilt. Not noticed: changes only inside nested subfolders of
+a class folder, and a file's contents rewritten in place (the index holds names, not contents);
+delete the cache file or set ``data.index_cache=false`` after such changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+SPLITS = ("train", "val")
+FORMAT = "hvdtrain-file-index-v1"
+
+
+class DataError(ValueError):
+    """A problem with the dataset folder, phrased as one line for the user."""
+
+
+class LayoutError(DataError):
+    """The dataset folder is not laid out as train/<class>/<image> and val/<class>/<image>."""
+
+
+@dataclass
+class SplitIndex:
+    """One split: class names, and each image's path (relative to the split folder) and label."""
+
+    classes: list[str]
+    paths: list[str]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+@dataclass
+class FileIndex:
+    root: str
+    train: SplitIndex
+    val: SplitIndex
+    source: str = "scan"  # "scan" or "cache", for the startup log
+    seconds: float = 0.0
+
+
+def class_folders(split_dir: Path) -> list[str]:
+    return sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
+
+
+def check_layout(root: Path) -> None:
+    """One line for each mistake people make, before anything is scanned."""
+    if not root.is_dir():
+        raise LayoutError(f"data.dir '{root}' does not exist (set data.dir to a folder with train/ and val/)")
+    for split in SPLITS:
+        if not (root / split).is_dir():
+            raise LayoutError(f"data.dir '{root}' has no {split}/ folder (expected {root}/{split}/<class>/<image>)")
+    train_classes, val_classes = class_folders(root / "train"), class_folders(root / "val")
+    if not train_classes:
+        raise LayoutError(f"{root}/train has no class folders (expected {root}/train/<class>/<image>)")
+    if train_classes != val_classes:
+        only_train = sorted(set(train_classes) - set(val_classes))[:5]
+        only_val = sorted(set(val_classes) - set(train_classes))[:5]
+        raise LayoutError(f"classes in {root}/val differ from {root}/train "
+                          f"(only in train: {only_train}, only in val: {only_val}); use the same class folders")
+
+
+def is_image_name(name: str) -> bool:
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def scan_split(split_dir: Path) -> SplitIndex:
+    """ImageFolder's listing: classes sorted, files of each class in sorted os.walk order."""
+    classes = class_folders(split_dir)
+    paths: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        before = len(paths)
+        for folder, _, names in sorted(os.walk(split_dir / name, followlinks=True)):
+            relative = os.path.relpath(folder, split_dir)
+            paths.extend(os.path.join(relative, f) for f in sorted(names) if is_image_name(f))
+        labels.extend([label] * (len(paths) - before))
+        if len(paths) == before:
+            raise LayoutError(f"class folder {split_dir / name} has no image files "
+                              f"({', '.join(IMG_EXTENSIONS)}); add images or remove the folder")
+    return SplitIndex(classes, paths, labels)
+
+
+def cache_key(root: Path) -> str:
+    """Changes when a class folder is added, removed or renamed, or a file in one is."""
+    digest = hashlib.sha256(FORMAT.encode())
+    for split in SPLITS:
+        split_dir = root / split
+        digest.update(f"{split}:{split_dir.stat().st_mtime_ns}\n".encode())
+        for name in class_folders(split_dir):
+            digest.update(f"{name}:{(split_dir / name).stat().st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def cache_file(root: Path, cache_dir: Path) -> Path:
+    name = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:20]
+    return cache_dir / "file-index" / f"{name}.pkl"
+
+
+def load_cached(path: Path, key: str) -> FileIndex | None:
+    try:
+        with path.open("rb") as handle:
+            payload = pickle.load(handle)
+    except (OSError, pickle.PickleError, EOFError, AttributeError, ValueError):
+        return None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("key") != key:
+        return None
+    return payload["index"]
+
+
+def write_cache(path: Path, key: str, index: FileIndex) -> None:
+    """Atomically (a reader sees the old file or the new one); a read-only cache is not an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        with scratch.open("wb") as handle:
+            pickle.dump({"format": FORMAT, "key": key, "index": index}, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(scratch, path)
+    except OSError:
+        pass
+
+
+def build_index(root: Path, cache_dir: Path | None) -> FileIndex:
+    """Check the layout, then read the cache (when given and current) or scan and write it."""
+    start = time.perf_counter()
+    check_layout(root)
+    key = path = None
+    if cache_dir is not None:
+        key, path = cache_key(root), cache_file(root, cache_dir)
+        cached = load_cached(path, key)
+        if cached is not None:
+            cached.source, cached.seconds = "cache", time.perf_counter() - start
+            return cached
+    index = FileIndex(str(root), scan_split(root / "train"), scan_split(root / "val"))
+    if path is not None and key is not None:
+        write_cache(path, key, index)
+    index.seconds = time.perf_counter() - start
+    return index
+
+
+def shared_index(root: Path, cache_dir: Path | None, is_primary: bool,
+                 broadcast_object: Callable[[Any], Any] | None = None) -> FileIndex:
+    """Rank 0 builds the index (or finds the problem); every rank gets the same result.
+
+    A layout problem is broadcast too, so that every rank raises the same one-line error instead
+    of the other ranks waiting forever for rank 0.
+    """
+    result: tuple[str, Any] = ("error", "not built")
+    if is_primary:
+        try:
+            result = ("ok", build_index(root, cache_dir))
+        except LayoutError as error:
+            result = ("error", str(error))
+    if broadcast_object is not None:
+        result = broadcast_object(result)
+    status, value = result
+    if status != "ok":
+        raise LayoutError(value)
+    return value

@@ -1,0 +1,246 @@
+"""The fast input pipeline: same augmentation as torchvision, close pixels, robust decoding,
+the cached file index and the pre-flight checks."""
+
+from __future__ import annotations
+
+import io
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import datasets, transforms
+
+from hvdtrain.bench_data import photo
+from hvdtrain.config import DataConfig
+from hvdtrain.data import DataError, file_datasets
+from hvdtrain.file_index import build_index, cache_file
+from hvdtrain.folder_data import BadFileError, CountingLoader, ImageFiles, collate
+from hvdtrain.imaging import BadImage, CenterCrop, TrainCrop, crop_params
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def jpeg(image: Image.Image, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90, **kwargs)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photos() -> list[bytes]:
+    rng = np.random.default_rng(0)
+    return [jpeg(photo(rng)) for _ in range(6)] + [jpeg(photo(rng, 1600, 1200))]
+
+
+@pytest.mark.parametrize("width, height", [(500, 375), (375, 500), (224, 224), (64, 1000), (3000, 90)])
+def test_crop_params_are_torchvisions_draw_for_draw(width, height):
+    image = Image.new("RGB", (width, height))
+    torch.manual_seed(5)
+    ours = [crop_params(width, height) for _ in range(300)]
+    torch.manual_seed(5)
+    theirs = [transforms.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(300)]
+    assert ours == theirs
+
+
+def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    grid = np.sort(np.concatenate([a, b]))
+    cdf_a = np.searchsorted(np.sort(a), grid, side="right") / len(a)
+    cdf_b = np.searchsorted(np.sort(b), grid, side="right") / len(b)
+    return float(np.abs(cdf_a - cdf_b).max())
+
+
+def test_crop_and_flip_statistics_match_torchvision(photos):
+    """Independent seeds: area, aspect ratio and position distributions and flip rate agree."""
+    n = 3000
+    width, height = 500, 375
+    torch.manual_seed(1)
+    ours = np.array([crop_params(width, height) for _ in range(n)], dtype=float)
+    torch.manual_seed(2)
+    image = Image.new("RGB", (width, height))
+    theirs = np.array([transforms.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
+                       for _ in range(n)], dtype=float)
+
+    def features(p: np.ndarray) -> dict[str, np.ndarray]:
+        top, left, h, w = p.T
+        return {"area": h * w / (width * height), "log_aspect": np.log(w / h),
+                "center_x": (left + w / 2) / width, "center_y": (top + h / 2) / height}
+
+    critical = 1.63 * math.sqrt(2 / n)  # KS at alpha = 0.01
+    for key, values in features(ours).items():
+        assert ks_statistic(values, features(theirs)[key]) < critical, key
+    assert features(ours)["area"].min() >= 0.08 - 1e-3
+    # The flip: TrainCrop flips with torch.rand(1) < 0.5 right after the crop draw, like
+    # RandomHorizontalFlip after RandomResizedCrop; check the rate on real outputs.
+    crop = TrainCrop(32)
+    torch.manual_seed(3)
+    data = photos[0]
+    flips = 0
+    for _ in range(400):
+        state = torch.get_rng_state()
+        out = crop(data)
+        torch.set_rng_state(state)
+        crop_params(500, 375)
+        flips += bool(torch.rand(1) < 0.5)
+        assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
+    assert 160 < flips < 240
+
+
+def reference_train(data: bytes, size: int) -> torch.Tensor:
+    pipeline = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
+                                   transforms.PILToTensor()])
+    return pipeline(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def test_train_crop_pixels_match_the_torchvision_crop(photos):
+    for index, data in enumerate(photos):
+        for seed in range(4):
+            torch.manual_seed(seed)
+            expected = reference_train(data, 224).float()
+            torch.manual_seed(seed)
+            actual = TrainCrop(224)(data)
+            assert actual.shape == (3, 224, 224) and actual.dtype == torch.uint8
+            diff = (actual.float() - expected).abs().mean().item()
+            # Full decodes agree to rounding; the 1600x1200 photo is often decoded at 1/2 to 1/4
+            # scale in the DCT domain (a different, still alias-free low-pass).
+            assert diff < (6.0 if index == len(photos) - 1 else 0.5), (index, seed, diff)
+
+
+def test_val_crop_pixels_match_resize_and_center_crop(photos):
+    reference = transforms.Compose([transforms.Resize(256), transforms.CenterCrop(224), transforms.PILToTensor()])
+    for index, data in enumerate(photos):
+        expected = reference(Image.open(io.BytesIO(data)).convert("RGB")).float()
+        actual = CenterCrop(224, 256)(data)
+        diff = (actual.float() - expected).abs().mean().item()
+        assert diff < (4.0 if index == len(photos) - 1 else 0.5), (index, diff)
+
+
+def odd_but_decodable(rng: np.random.Generator) -> dict[str, bytes]:
+    """What ImageNet really contains besides RGB JPEGs."""
+    base = photo(rng, 120, 90)
+    png = io.BytesIO()
+    base.save(png, "PNG")
+    rgba = io.BytesIO()
+    base.convert("RGBA").save(rgba, "PNG")
+    return {"cmyk.JPEG": jpeg(base.convert("CMYK")), "gray.JPEG": jpeg(base.convert("L")),
+            "png_named.JPEG": png.getvalue(), "rgba.png": rgba.getvalue()}
+
+
+def undecodable(good_jpeg: bytes) -> dict[str, bytes]:
+    return {"truncated.JPEG": good_jpeg[: len(good_jpeg) // 2], "empty.JPEG": b"",
+            "text.JPEG": b"<html>404 not found</html>\n", "garbage.png": b"\x89PNG\r\n\x1a\n" + bytes(100)}
+
+
+@pytest.mark.parametrize("transform", [TrainCrop(48), CenterCrop(48, 56)], ids=["train", "val"])
+def test_every_decodable_image_becomes_rgb_and_bad_ones_raise(transform):
+    rng = np.random.default_rng(0)
+    for name, data in odd_but_decodable(rng).items():
+        out = transform(data)
+        assert out.shape == (3, 48, 48) and out.dtype == torch.uint8, name
+    gray = transform(odd_but_decodable(rng)["gray.JPEG"])
+    assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])
+    for name, data in undecodable(jpeg(photo(rng, 120, 90))).items():
+        if not data:
+            continue  # empty files are caught before decoding (ImageFiles)
+        with pytest.raises(BadImage):
+            transform(data)
+
+
+def write_dataset(root: Path, rng: np.random.Generator, bad: bool = True) -> None:
+    for split, per_class in (("train", 3), ("val", 2)):
+        for c in range(3):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                (folder / f"img{i}.JPEG").write_bytes(jpeg(photo(rng, 80, 60)))
+    if bad:
+        (root / "train" / "c1" / "truncated.JPEG").write_bytes(jpeg(photo(rng, 80, 60))[:300])
+        (root / "val" / "c2" / "zz_empty.JPEG").write_bytes(b"")
+
+
+def test_bad_files_are_replaced_in_training_and_dropped_in_validation(tmp_path, capsys):
+    write_dataset(tmp_path / "data", np.random.default_rng(1))
+    data = DataConfig(image_size=32, val_resize=36, index_cache=False)
+    train_set, val_set, index = file_datasets(data, tmp_path / "data")
+    assert len(train_set) == 10 and len(val_set) == 7
+    bad_index = index.train.paths.index("c1/truncated.JPEG")
+    image, label, bad = train_set[bad_index]
+    assert image.shape == (3, 32, 32) and label == index.train.labels[bad_index + 1]
+    assert len(bad) == 1 and "truncated.JPEG" in bad[0]
+
+    loader = CountingLoader(torch.utils.data.DataLoader(train_set, batch_size=4, collate_fn=collate), fail=False)
+    batches = list(loader)
+    assert [b[0].shape[0] for b in batches] == [4, 4, 2]      # every batch keeps its size
+    assert batches[0][0].is_contiguous(memory_format=torch.channels_last)
+    assert loader.pop_bad_files() == 1 and loader.pop_bad_files() == 0
+    assert "skipping undecodable image file" in capsys.readouterr().err
+
+    val = CountingLoader(torch.utils.data.DataLoader(val_set, batch_size=7, collate_fn=collate), fail=False)
+    images, labels = next(iter(val))
+    assert images.shape[0] == 6 and val.pop_bad_files() == 1  # dropped, not counted twice
+
+    strict = CountingLoader(torch.utils.data.DataLoader(train_set, batch_size=10, collate_fn=collate), fail=True)
+    with pytest.raises(BadFileError, match=r"undecodable image file .*truncated\.JPEG .*data.on_bad_file=skip"):
+        list(strict)
+
+
+def test_index_matches_image_folder_and_is_cached_until_a_folder_changes(tmp_path):
+    root = tmp_path / "data"
+    write_dataset(root, np.random.default_rng(2))
+    (root / "train" / "c0" / "notes.txt").write_text("not an image, not listed")
+    cache = tmp_path / "cache"
+    first = build_index(root, cache)
+    assert first.source == "scan" and cache_file(root, cache).is_file()
+    folder = datasets.ImageFolder(str(root / "train"))
+    assert first.train.classes == folder.classes
+    assert [str(root / "train" / p) for p in first.train.paths] == [p for p, _ in folder.samples]
+    assert first.train.labels == [label for _, label in folder.samples]
+
+    second = build_index(root, cache)
+    assert second.source == "cache" and second.train.paths == first.train.paths
+
+    (root / "train" / "c2" / "new.JPEG").write_bytes(jpeg(photo(np.random.default_rng(3), 80, 60)))
+    third = build_index(root, cache)
+    assert third.source == "scan" and "c2/new.JPEG" in third.train.paths
+    assert build_index(root, None).source == "scan"
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("missing", "does not exist"),
+    ("no_val", "has no val/ folder"),
+    ("no_train", "has no train/ folder"),
+    ("empty_class", "class folder .*c1 has no image files"),
+    ("class_mismatch", r"classes in .*val differ from .*train \(only in train: \['c2'\], only in val: \['c9'\]\)"),
+])
+def test_preflight_checks_name_the_problem(layout, message, tmp_path):
+    root = tmp_path / "data"
+    if layout != "missing":
+        write_dataset(root, np.random.default_rng(4), bad=False)
+    if layout == "no_val":
+        for path in sorted((root / "val").rglob("*"), reverse=True):
+            path.unlink() if path.is_file() else path.rmdir()
+        (root / "val").rmdir()
+    elif layout == "no_train":
+        (root / "train").rename(tmp_path / "elsewhere")
+    elif layout == "empty_class":
+        for path in (root / "train" / "c1").iterdir():
+            path.unlink()
+    elif layout == "class_mismatch":
+        (root / "val" / "c2").rename(root / "val" / "c9")
+    with pytest.raises(DataError, match=message):
+        file_datasets(DataConfig(index_cache=False), root)
+
+
+def test_cli_reports_a_layout_problem_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hvdtrain", "--config", "debug", f"data.dir={tmp_path}/none",
+                             f"output.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                                 "HVDTRAIN_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [f"hvdtrain: error: data.dir '{tmp_path}/none' does not exist "
+                     "(set data.dir to a folder with train/ and val/)"]
