@@ -178,6 +178,7 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
             progress = {"source": str(path), "epoch": int(payload["epoch"]), "step": int(payload["step"]),
                         "samples_in_epoch": int(payload.get("samples_in_epoch", 0)),
                         "world_size": int(payload.get("world_size", 0)), "rng": payload.get("rng", []),
+                        "rank_buffers": payload.get("rank_buffers"),
                         "best_top1": payload.get("best_top1")}
     progress = dist.broadcast_object(progress, name="resume_progress")
     dist.broadcast_model(state.model)
@@ -192,6 +193,8 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
     state.step_in_epoch = progress["samples_in_epoch"] // samples_per_step
     run.best_top1 = progress["best_top1"]
     same_world = progress["world_size"] == dist.size()
+    if progress["rank_buffers"]:
+        restore_rank_buffers(state.model, progress["rank_buffers"], dist.rank() if same_world else None)
     if same_world and len(progress["rng"]) == dist.size():
         checkpoint.set_rng_state(progress["rng"][dist.rank()])
     else:
@@ -206,10 +209,28 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
             + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
 
 
+def restore_rank_buffers(model: torch.nn.Module, rank_buffers: list[dict], rank: int | None) -> None:
+    """This rank's own saved buffers, or (another number of ranks) their average."""
+    named = dict(model.named_buffers())
+    with torch.no_grad():
+        for name in rank_buffers[0]:
+            if rank is not None:
+                value = rank_buffers[rank][name]
+            else:
+                value = torch.stack([buffers[name] for buffers in rank_buffers]).mean(0)
+            named[name].copy_(value)
+
+
 def checkpoint_payload(run: Run) -> dict[str, Any]:
     """Everything needed to continue exactly where the run is now (a collective: call on every rank)."""
     state = run.state
     rng = dist.allgather_object(checkpoint.rng_state(), name="checkpoint_rng")
+    # Mid-epoch, without SyncBN, each rank's BatchNorm statistics are its own (they are averaged at
+    # epoch ends only): keep all of them, so a resumed run continues each rank's exactly.
+    rank_buffers = None
+    if state.step_in_epoch and dist.size() > 1:
+        own = {name: b.detach().cpu() for name, b in state.model.named_buffers() if b.is_floating_point()}
+        rank_buffers = dist.allgather_object(own, name="checkpoint_buffers")
     return {
         "format": 2,
         "model": unwrap_state_dict(state.model),
@@ -224,13 +245,13 @@ def checkpoint_payload(run: Run) -> dict[str, Any]:
         "global_batch": run.global_batch,
         "best_top1": run.best_top1,
         "rng": rng,
+        "rank_buffers": rank_buffers,
         "config": to_dict(run.cfg),
     }
 
 
 def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False) -> Path | None:
     """Every rank takes part (buffers and random states are collected); rank 0 writes."""
-    dist.average_buffers(run.state.model)
     payload = checkpoint_payload(run)
     path = saver.save(payload, is_best) if saver is not None else None
     dist.barrier()  # nobody runs ahead (or exits) before the file is in place
