@@ -94,7 +94,20 @@ def cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate}
+def cmd_bench(argv: list[str]) -> int:
+    from .bench import cmd_bench as run
+
+    return run(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from .report import cmd_report as run
+
+    return run(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate, "bench": cmd_bench,
+                                                   "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
