@@ -78,7 +78,10 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     num_classes = run.loaders.num_classes
 
     def batches(count: int) -> SyntheticBatches:
-        return SyntheticBatches(count * passes, batch, cfg.data.image_size, num_classes, cfg.seed + rank)
+        synthetic = SyntheticBatches(count * passes, batch, cfg.data.image_size, num_classes, cfg.seed + rank)
+        if state.device.type == "cuda":  # as the trainer's loaders do on CUDA: asynchronous copies
+            synthetic.images, synthetic.labels = synthetic.images.pin_memory(), synthetic.labels.pin_memory()
+        return synthetic
 
     if warmup_steps > 0:
         train_one_epoch(state, batches(warmup_steps), warmup_steps, dist.allreduce_sum)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -62,30 +63,45 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
     return lines
 
 
-def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summary: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("loss", "loss", ("train", "val")), ("top1", "top-1 (%)", ("train", "val")),
-              ("lr", "learning rate", ("train",)), ("images_per_sec", "images / s", ("train", "val")),
-              ("data_wait_fraction", "data wait (fraction of time)", ("train",))]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), dpi=80)
+              ("lr", "learning rate (end of epoch)", ("train",)), ("images_per_sec", "images / s", ("train", "val")),
+              ("data_wait_fraction", "data wait (fraction of train time)", ("train",))]
+    figure, grid = plt.subplots(2, 3, figsize=(12, 6), dpi=80)
+    axes = list(grid.flat)
     for axis, (key, label, which) in zip(axes, panels):
+        values = []
         for split in which:
             rows = [r for r in splits.get(split, []) if isinstance(r.get(key), (int, float))]
             if rows:
+                values += [r[key] for r in rows]
                 axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], marker="o",
                           markersize=3, label=split)
         axis.set_title(label, fontsize=10)
         axis.set_xlabel("epoch", fontsize=9)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.tick_params(labelsize=8)
         axis.grid(alpha=0.3)
         if len(which) > 1 and axis.lines:
             axis.legend(fontsize=8)
+        positive = [v for v in values if v > 0 and math.isfinite(v)]
+        if key == "loss" and positive and max(positive) > 20 * min(positive):
+            axis.set_yscale("log")  # an early spike would flatten the rest of the curve
         if key == "data_wait_fraction":
             axis.set_ylim(0, 1)
+    text_axis = axes[len(panels)]
+    text_axis.axis("off")
+    wrapped = []
+    for line in summary:
+        wrapped += textwrap.wrap(line, 48, subsequent_indent="  ")
+    text_axis.text(0, 1, "\n".join(wrapped), va="top", ha="left", fontsize=8, family="monospace",
+                   transform=text_axis.transAxes)
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +118,8 @@ def cmd_report(argv: list[str]) -> int:
     run_dir = Path(args.run_dir)
     splits = by_split(load_records(run_dir))
     out = Path(args.out) if args.out else run_dir / "report.png"
-    plot(splits, out, title=f"hvdtrain run {run_dir.name}")
     lines = summary_lines(run_dir, splits)
+    plot(splits, out, title=f"hvdtrain run {run_dir.name}", summary=lines)
     (out.parent / "summary.txt").write_text("\n".join(lines) + "\n")
     for line in lines:
         print(line)
