@@ -116,6 +116,22 @@ def table(summary: dict) -> list[str]:
     return lines
 
 
+def markdown(summary: dict) -> list[str]:
+    """The table as Markdown, for docs/benchmarks.md."""
+    lines = ["| contender | ranks | median img/s | min..max | ratio |", "| --- | --- | --- | --- | --- |"]
+    for name, row in summary["contenders"].items():
+        ratio = f"{row['ratio']:.3f} of {row['ratio_to']}" if "ratio" in row else ""
+        if row.get("target") is not None:
+            ratio += f" (target {row['target']}: {'met' if row['ratio'] >= row['target'] else 'not met'})"
+        lines.append(f"| {name} | {row['ranks']} | {row['median']:.2f} | {row['min']:.2f}..{row['max']:.2f} | {ratio} |")
+    lines.append("")
+    lines.append("| weak-scaling efficiency (2 ranks / (2 x 1 rank)) | |")
+    lines.append("| --- | --- |")
+    for name, value in summary["weak_scaling_efficiency"].items():
+        lines.append(f"| {name} | {value:.3f} |")
+    return lines
+
+
 def chart(summary: dict, settings: str, path: Path) -> None:
     import matplotlib
 
@@ -188,8 +204,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "bench.md").write_text("\n".join(markdown(summary)) + "\n")
     chart(summary, settings, out / "bench.png")
-    print(f"bench: wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    print(f"bench: wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
 
 
 if __name__ == "__main__":

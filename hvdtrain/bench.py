@@ -105,7 +105,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         "backward_passes_per_step": passes, "world_size": dist.size(), "controller": dist.controller(),
         "device": state.device.type, "threads_per_rank": torch.get_num_threads(),
         "compression": compression_of(cfg, state),
-        "amp": cfg.amp.dtype if cfg.amp.enabled else "off", "compile": getattr(cfg.runtime, "compile", False),
+        "amp": cfg.amp.dtype if cfg.amp.enabled else "off", "compile": cfg.runtime.compile,
         "warmup_steps": warmup_steps, "steps": steps, "repeats": repeats,
         "per_rank": [{"rank": r, "images_per_sec": interval95(rates)[0], "ci95": interval95(rates)[1],
                       "repeats": rates} for r, rates in enumerate(per_rank)],
