@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit clean
+.PHONY: setup demo test test-unit bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,10 @@ demo: setup
 test: setup
 	@bash scripts/test-deps.sh
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# hvdtrain vs a raw PyTorch loop and DDP, alternating (benchmarks/compare.py; ARGS="--rounds 5" etc.)
+bench: setup
+	$(PY) benchmarks/compare.py $(ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

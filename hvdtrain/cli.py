@@ -117,8 +117,22 @@ def cmd_bench_data(argv: list[str]) -> int:
     return bench_data_main(argv)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": cmd_train, "evaluate": cmd_evaluate,
-                                                   "doctor": cmd_doctor, "bench-data": cmd_bench_data}
+def cmd_bench(argv: list[str]) -> int:
+    from .bench import cmd_bench as run
+
+    return run(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from .report import cmd_report as run
+
+    return run(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": cmd_train, "evaluate": cmd_evaluate, "bench": cmd_bench, "bench-data": cmd_bench_data,
+    "report": cmd_report, "doctor": cmd_doctor,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

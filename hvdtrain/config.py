@@ -116,6 +116,8 @@ class RuntimeConfig:
     """torch intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
     cudnn_benchmark: bool = True
     """Let cuDNN pick the fastest convolution algorithms (fixed input sizes)."""
+    compile: bool = False
+    """Compile the model with torch.compile (slower start; measure with hvdtrain bench)."""
 
 
 @dataclass

@@ -21,8 +21,36 @@ __all__ = ["HorovodInternalError"]
 CudaSyncBatchNorm = hvd.SyncBatchNorm
 
 
-def init(timeout_seconds: int = 0) -> None:
-    """Initialize Horovod once (idempotent).
+# Horovod and Open MPI settings hvdtrain starts from, by device; a variable already in the
+# environment always wins (os.environ.setdefault), so users and launchers can override any of them.
+# Why, in short (README "Performance defaults" has the measurements):
+# - HOROVOD_CYCLE_TIME (ms between background-thread cycles; Horovod's default is 1). Every cycle
+#   is a cross-rank coordination round. On CPU a step takes hundreds of milliseconds, and a round
+#   every millisecond costs more than it saves: it wakes the background thread 1000 times a second
+#   on cores that torch is already using, and under the MPI controller each round is an MPI
+#   collective whose wait busy-polls. Longer cycles also fuse more gradients per allreduce.
+#   On GPU, steps are milliseconds long and NCCL runs on the device: keep the short cycle.
+# - OMPI_MCA_mpi_yield_when_idle: Open MPI spins at full speed in a blocking call unless it sees the
+#   host oversubscribed; with torch's threads on every core a spinning rank steals time from the
+#   compute of its own and the other ranks. Yielding gives the core back while waiting.
+CPU_ENV_DEFAULTS = {
+    "HOROVOD_CYCLE_TIME": "20",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+}
+GPU_ENV_DEFAULTS: dict[str, str] = {}
+
+
+def apply_env_defaults(gpu: bool) -> dict[str, str]:
+    """Set hvdtrain's defaults for variables the environment leaves unset; returns the effective values."""
+    defaults = GPU_ENV_DEFAULTS if gpu else CPU_ENV_DEFAULTS
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in defaults}
+
+
+def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
+    """Initialize Horovod once (idempotent), after hvdtrain's environment defaults for ``gpu`` (None:
+    whether CUDA is available).
 
     A Gloo collective gives up after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default); a longer
     ``timeout_seconds`` raises it so that slow but healthy phases are not cut short. Settings the
@@ -31,6 +59,7 @@ def init(timeout_seconds: int = 0) -> None:
     if timeout_seconds > 30:
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
     if not hvd.is_initialized():
+        apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu)
         hvd.init()
 
 

@@ -87,7 +87,8 @@ class Run:
 
 def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     """Everything before the first step; identical on every rank up to the broadcast."""
-    dist.init(cfg.dist.timeout_seconds)
+    dist.init(gpu=cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and torch.cuda.is_available()),
+              timeout_seconds=cfg.dist.timeout_seconds)
     # Every rank's address and liveness port, known to every rank, to name a lost one later.
     liveness = LivenessService(dist.rank())
     peers = [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]
@@ -118,6 +119,10 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
         model = convert_sync_batchnorm(model, cuda=device.type == "cuda")
     channels_last = device.type == "cuda"
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    if cfg.runtime.compile:
+        # Module.compile() compiles forward in place: parameter names and state-dict keys stay
+        # unprefixed, so the optimizer, broadcasts and checkpoints are unchanged.
+        model.compile()
 
     schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
     compression = cfg.dist.compression

@@ -1,0 +1,160 @@
+"""``python -m hvdtrain bench``: images per second of the trainer's own training step.
+
+Synthetic batches of the configured size go through ``trainer.setup`` (the same Horovod
+DistributedOptimizer, compression, AMP/GradScaler and gradient accumulation) and
+``engine.train_one_epoch`` (the same step): nothing is copied, so what is measured is what
+``python -m hvdtrain`` runs, minus the input pipeline. Warm-up steps are run and thrown away
+(allocator, cuDNN autotuning, torch.compile, Horovod's response cache); then ``--repeats`` timed
+runs of ``--steps`` optimizer steps each give a mean and a 95% interval per rank and for the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config, load_config
+
+# Two-sided 95% quantiles of Student's t distribution by degrees of freedom (1..30).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+
+FORCED = ["data.synthetic=true", "checkpoint.resume=never", "output.progress=false", "output.tensorboard=false"]
+
+
+def interval95(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of its 95% confidence interval (Student's t; 0 for a single value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, 0.0
+    dof = len(values) - 1
+    t = T_975[dof - 1] if dof <= len(T_975) else 1.96
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hvdtrain bench",
+        description="Training throughput of hvdtrain's real step on synthetic data, per rank and in total. "
+                    "Run under horovodrun/mpirun/srun for several ranks.",
+        epilog="Example: horovodrun -np 2 -H localhost:2 python -m hvdtrain bench model.arch=resnet18 "
+               "train.batch_size=16 runtime.threads=1")
+    parser.add_argument("--config", "-c", help="YAML config file or the name of a shipped one")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps run before timing (default 5)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed repeat (default 20)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the 95%% interval is over them "
+                        "(default 5)")
+    parser.add_argument("--json", help="also write the results to this JSON file (rank 0)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return parser
+
+
+def synchronize(device: torch.device) -> None:
+    """CUDA kernels run asynchronously: a timer must wait for them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Run the benchmark on this rank; every rank returns the same summary."""
+    from . import dist
+    from .data import SyntheticBatches
+    from .engine import train_one_epoch
+    from .trainer import setup
+
+    run = setup(cfg)
+    state = run.state
+    passes = state.backward_passes_per_step
+    batch = cfg.train.batch_size
+    rank = dist.rank()
+    num_classes = run.loaders.num_classes
+
+    def batches(count: int) -> SyntheticBatches:
+        synthetic = SyntheticBatches(count * passes, batch, cfg.data.image_size, num_classes, cfg.seed + rank)
+        if state.device.type == "cuda":  # as the trainer's loaders do on CUDA: asynchronous copies
+            synthetic.images, synthetic.labels = synthetic.images.pin_memory(), synthetic.labels.pin_memory()
+        return synthetic
+
+    if warmup_steps > 0:
+        train_one_epoch(state, batches(warmup_steps), warmup_steps, dist.allreduce_sum)
+    local_rates, totals = [], []
+    timed = batches(steps)
+    for _ in range(repeats):
+        synchronize(state.device)
+        start = time.perf_counter()
+        # train_one_epoch ends with a cross-rank reduction of its metrics, so every rank's
+        # clock stops after the last rank's last step.
+        metrics = train_one_epoch(state, timed, steps, dist.allreduce_sum)
+        synchronize(state.device)
+        seconds = time.perf_counter() - start
+        local_rates.append(steps * passes * batch / seconds)
+        slowest = max(dist.allgather_object(seconds, name="bench_seconds"))
+        totals.append(metrics["samples"] / slowest)
+    per_rank = dist.allgather_object(local_rates, name="bench_rates")
+    total_mean, total_half = interval95(totals)
+    return {
+        "arch": cfg.model.arch, "image_size": cfg.data.image_size, "batch_size": batch,
+        "backward_passes_per_step": passes, "world_size": dist.size(), "controller": dist.controller(),
+        "device": state.device.type, "threads_per_rank": torch.get_num_threads(),
+        "compression": compression_of(cfg, state),
+        "amp": cfg.amp.dtype if cfg.amp.enabled else "off", "compile": cfg.runtime.compile,
+        "warmup_steps": warmup_steps, "steps": steps, "repeats": repeats,
+        "per_rank": [{"rank": r, "images_per_sec": interval95(rates)[0], "ci95": interval95(rates)[1],
+                      "repeats": rates} for r, rates in enumerate(per_rank)],
+        "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
+    }
+
+
+def compression_of(cfg: Config, state: Any) -> str:
+    if cfg.dist.compression != "auto":
+        return cfg.dist.compression
+    return "fp16" if state.device.type == "cuda" else "none"
+
+
+def format_report(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"bench: {result['arch']} {result['image_size']}px, batch {result['batch_size']}/rank x "
+        f"{result['backward_passes_per_step']} passes x {result['world_size']} ranks ({result['controller']} "
+        f"controller), {result['device']}, {result['threads_per_rank']} threads/rank, compression "
+        f"{result['compression']}, amp {result['amp']}, compile {str(result['compile']).lower()}",
+        f"bench: {result['warmup_steps']} warm-up steps excluded; {result['repeats']} repeats x "
+        f"{result['steps']} steps timed",
+    ]
+    for row in result["per_rank"]:
+        lines.append(f"bench: rank {row['rank']}: {row['images_per_sec']:.2f} img/s "
+                     f"+- {row['ci95']:.2f} (95% interval)")
+    lines.append(f"bench: total: {result['images_per_sec']:.2f} img/s +- {result['ci95']:.2f} "
+                 f"(95% interval over {result['repeats']} repeats)")
+    lines.append(f"images_per_sec={result['images_per_sec']:.2f}")
+    return lines
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from .config import ConfigError
+
+    args = bench_parser().parse_intermixed_args(argv)
+    for flag, value, low in (("--warmup-steps", args.warmup_steps, 0), ("--steps", args.steps, 1),
+                             ("--repeats", args.repeats, 1)):
+        if value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    cfg = load_config(args.config, list(args.overrides) + FORCED)
+    result = run_bench(cfg, args.warmup_steps, args.steps, args.repeats)
+
+    from . import dist
+
+    if dist.is_primary():
+        for line in format_report(result):
+            print(line, flush=True)
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1) + "\n")
+    return 0

@@ -1,0 +1,127 @@
+"""``python -m hvdtrain report RUN_DIR``: a run's metrics.jsonl as PNG plots and a text summary.
+
+Plots per epoch: loss and top-1 (train and val), learning rate, images per second and the
+fraction of time spent waiting for data. Written next to the metrics (``RUN_DIR/report.png``,
+``RUN_DIR/summary.txt``) unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from .data import DataError
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise DataError(f"'{run_dir}' has no metrics.jsonl (give the output.dir of a training run)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise DataError(f"{path}:{number} is not a JSON line (the file is damaged)") from None
+    if not records:
+        raise DataError(f"{path} is empty: the run has not finished an epoch yet")
+    return records
+
+
+def by_split(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Records per split, one per epoch (the last one wins when a resumed run repeated an epoch)."""
+    splits: dict[str, dict[int, dict[str, Any]]] = {}
+    for record in records:
+        splits.setdefault(record.get("split", "train"), {})[int(record.get("epoch", 0))] = record
+    return {split: [epochs[e] for e in sorted(epochs)] for split, epochs in splits.items()}
+
+
+def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> list[str]:
+    train, val = splits.get("train", []), splits.get("val", [])
+    epochs = max(len(train), len(val))
+    lines = [f"run {run_dir}: {epochs} epoch(s)"]
+    if train:
+        last = train[-1]
+        rates = [r["images_per_sec"] for r in train if "images_per_sec" in r]
+        waits = [r["data_wait_fraction"] for r in train if "data_wait_fraction" in r]
+        lines.append(f"train: last epoch loss {last['loss']:.4f}, top-1 {last['top1']:.2f}%; "
+                     f"{sum(rates) / max(1, len(rates)):.1f} img/s on average (last {rates[-1]:.1f})"
+                     + (f", data wait {100 * sum(waits) / len(waits):.1f}% of the time" if waits else ""))
+    if val:
+        last = val[-1]
+        best = max(val, key=lambda r: r["top1"] if not math.isnan(r["top1"]) else -1)
+        lines.append(f"val: last epoch loss {last['loss']:.4f}, top-1 {last['top1']:.2f}%, top-5 {last['top5']:.2f}%; "
+                     f"best top-1 {best['top1']:.2f}% at epoch {int(best['epoch']) + 1}")
+    if train and "lr" in train[-1]:
+        lines.append(f"lr: {train[0]['lr']:.4g} (epoch 1) -> {train[-1]['lr']:.4g} (epoch {len(train)})")
+    return lines
+
+
+def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summary: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = [("loss", "loss", ("train", "val")), ("top1", "top-1 (%)", ("train", "val")),
+              ("lr", "learning rate (end of epoch)", ("train",)), ("images_per_sec", "images / s", ("train", "val")),
+              ("data_wait_fraction", "data wait (fraction of train time)", ("train",))]
+    figure, grid = plt.subplots(2, 3, figsize=(12, 6), dpi=80)
+    axes = list(grid.flat)
+    for axis, (key, label, which) in zip(axes, panels):
+        values = []
+        for split in which:
+            rows = [r for r in splits.get(split, []) if isinstance(r.get(key), (int, float))]
+            if rows:
+                values += [r[key] for r in rows]
+                axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], marker="o",
+                          markersize=3, label=split)
+        axis.set_title(label, fontsize=10)
+        axis.set_xlabel("epoch", fontsize=9)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.tick_params(labelsize=8)
+        axis.grid(alpha=0.3)
+        if len(which) > 1 and axis.lines:
+            axis.legend(fontsize=8)
+        positive = [v for v in values if v > 0 and math.isfinite(v)]
+        if key == "loss" and positive and max(positive) > 20 * min(positive):
+            axis.set_yscale("log")  # an early spike would flatten the rest of the curve
+        if key == "data_wait_fraction":
+            axis.set_ylim(0, 1)
+    text_axis = axes[len(panels)]
+    text_axis.axis("off")
+    wrapped = []
+    for line in summary:
+        wrapped += textwrap.wrap(line, 48, subsequent_indent="  ")
+    text_axis.text(0, 1, "\n".join(wrapped), va="top", ha="left", fontsize=8, family="monospace",
+                   transform=text_axis.transAxes)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hvdtrain report", description="PNG plots and a text summary of a "
+                                     "training run's metrics.jsonl.")
+    parser.add_argument("run_dir", help="the run's output.dir (holding metrics.jsonl)")
+    parser.add_argument("--out", help="PNG file to write (default RUN_DIR/report.png)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    splits = by_split(load_records(run_dir))
+    out = Path(args.out) if args.out else run_dir / "report.png"
+    lines = summary_lines(run_dir, splits)
+    plot(splits, out, title=f"hvdtrain run {run_dir.name}", summary=lines)
+    (out.parent / "summary.txt").write_text("\n".join(lines) + "\n")
+    for line in lines:
+        print(line)
+    print(f"report={out}", flush=True)
+    return 0

@@ -1,0 +1,55 @@
+"""``hvdtrain bench`` really runs the trainer's step, alone and under a 2-rank launcher, and prints
+the promised lines."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import launch
+
+TINY = ["--warmup-steps", "1", "--steps", "2", "--repeats", "2", "--config", "debug", "train.batch_size=4"]
+
+
+def result_lines(stdout: str) -> list[str]:
+    """Output lines without the launcher's rank prefixes ("[0]<stdout>:", "[1,0]<stdout>:")."""
+    return [re.sub(r"^\[[\d,]+\]<stdout>:", "", line) for line in stdout.splitlines()]
+
+
+def check(stdout: str, ranks: int, json_path) -> dict:
+    lines = [line for line in result_lines(stdout) if line.strip()]
+    assert re.fullmatch(r"images_per_sec=\d+\.\d+", lines[-1].strip()), stdout[-2000:]
+    for rank in range(ranks):
+        assert any(re.match(rf"bench: rank {rank}: \d+\.\d+ img/s \+- \d+\.\d+ \(95% interval\)", l) for l in lines)
+    assert any(l.startswith("bench: total: ") for l in lines)
+    result = json.loads(json_path.read_text())
+    assert result["world_size"] == ranks and len(result["per_rank"]) == ranks
+    assert result["warmup_steps"] == 1 and result["steps"] == 2 and len(result["repeats_images_per_sec"]) == 2
+    total = float([l for l in lines if l.startswith("images_per_sec=")][-1].split("=")[1])
+    assert total == pytest.approx(result["images_per_sec"], abs=0.01) and total > 0
+    return result
+
+
+def test_bench_single_process_with_accumulation_and_compression(tmp_path):
+    out = tmp_path / "bench.json"
+    run = launch("single", 1, ["-m", "hvdtrain", "bench", *TINY, "--json", str(out),
+                               "train.backward_passes_per_step=2", "dist.compression=fp16"], tmp_path)
+    result = check(run.stdout, 1, out)
+    assert result["compression"] == "fp16" and result["backward_passes_per_step"] == 2
+
+
+@pytest.mark.parametrize("launcher, controller", [("horovodrun-gloo", "gloo"), ("mpirun", "mpi")])
+def test_bench_two_ranks(launcher, controller, tmp_path):
+    out = tmp_path / "bench.json"
+    run = launch(launcher, 2, ["-m", "hvdtrain", "bench", *TINY, "--json", str(out)], tmp_path)
+    result = check(run.stdout, 2, out)
+    assert result["controller"] == controller and result["compression"] == "none"
+    assert result["threads_per_rank"] == 1
+
+
+def test_bench_rejects_bad_flags(tmp_path):
+    run = launch("single", 1, ["-m", "hvdtrain", "bench", "--steps", "0"], tmp_path, check=False)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "hvdtrain: error: --steps must be >= 1, got 0"
