@@ -141,6 +141,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    enabled: bool = False
+    """Run under Horovod Elastic (launch with horovodrun --min-np/--max-np --host-discovery-script)."""
+    commit_every_steps: int = 10
+    """Commit the in-memory state every this many steps; a failure rolls back to the last commit."""
+    sample_log: bool = False
+    """Log the sample indices of every committed step to <output.dir>/samples/, to audit a run."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Seeds model initialization and the per-epoch shuffle (seed + epoch)."""
@@ -153,6 +163,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -296,6 +307,7 @@ def validate(cfg: Config) -> None:
         "data.image_size": cfg.data.image_size,
         "data.prefetch_factor": cfg.data.prefetch_factor,
         "data.synthetic_samples": cfg.data.synthetic_samples,
+        "elastic.commit_every_steps": cfg.elastic.commit_every_steps,
     }
     for key, value in positive.items():
         if value <= 0:

@@ -98,8 +98,9 @@ class ShardedSampler(Sampler[tuple[int, int]]):
 
     It yields ``(index, augmentation seed)`` pairs (see ``SeededSamples``): each sample's random
     augmentation depends only on (seed, epoch, index), not on which rank or loader worker draws
-    it, nor on where a run was resumed. ``set_epoch(epoch, start)`` skips the first ``start``
-    samples of this rank's shard, for resuming in the middle of an epoch.
+    it, nor on where a run was resumed. ``set_epoch(epoch, start)`` starts at global position
+    ``start`` of the epoch's order (the samples all ranks have consumed so far), so a run resumed
+    mid-epoch, with the same or another number of ranks, neither skips nor repeats a sample.
     """
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, seed: int = 0,
@@ -120,31 +121,30 @@ class ShardedSampler(Sampler[tuple[int, int]]):
         self.start = start
 
     def global_order(self) -> list[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples_total, generator=generator).tolist()
-        else:
-            order = list(range(self.num_samples_total))
-        if self.pad and order:
-            padded = math.ceil(len(order) / self.num_replicas) * self.num_replicas
-            order = (order * math.ceil(padded / len(order)))[:padded]
-        return order
+        """The epoch's permutation of all indices (the same for every number of ranks)."""
+        if not self.shuffle:
+            return list(range(self.num_samples_total))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples_total, generator=generator).tolist()
 
     def indices(self) -> list[int]:
-        """This rank's dataset indices for the epoch, after ``start``."""
-        return self.global_order()[self.rank::self.num_replicas][self.start:]
+        """This rank's dataset indices for the rest of the epoch, from global position ``start``."""
+        order = self.global_order()
+        rest = order[self.start:]
+        if self.pad and order:
+            short = -len(rest) % self.num_replicas
+            rest = rest + (order * (short // len(order) + 1))[:short]
+        return rest[self.rank::self.num_replicas]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter([(index, sample_seed(self.seed, self.epoch, index)) for index in self.indices()])
 
-    def shard_size(self) -> int:
-        if self.pad:
-            return math.ceil(self.num_samples_total / self.num_replicas)
-        return len(range(self.rank, self.num_samples_total, self.num_replicas))
-
     def __len__(self) -> int:
-        return max(0, self.shard_size() - self.start)
+        remaining = max(0, self.num_samples_total - self.start)
+        if self.pad:
+            return math.ceil(remaining / self.num_replicas)
+        return len(range(self.rank, remaining, self.num_replicas))
 
 
 class SeededSamples(Dataset):
@@ -228,6 +228,13 @@ class Loaders:
     train_size: int
     val_size: int
     index: FileIndex | None = None
+    val_sampler: ShardedSampler | None = None
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """After the number of ranks changed (elastic training)."""
+        for sampler in (self.train_sampler, self.val_sampler):
+            if sampler is not None:
+                sampler.rank, sampler.num_replicas = rank, world_size
 
 
 class SyntheticBatches:
@@ -285,10 +292,12 @@ def build_loaders(cfg: Config, root: Path | None, rank: int, world_size: int, pi
     fail = data.on_bad_file == "fail"
     # A private generator: creating an iterator must not consume the global torch RNG, or a run
     # resumed mid-epoch would see different random numbers than an uninterrupted one.
+    # Elastic runs keep the last partial batch: after a change in the number of ranks the rest of
+    # an epoch need not be a whole number of global batches, and no image may be left out.
     train = CountingLoader(DataLoader(SeededSamples(train_set), batch_size=batch, sampler=train_sampler,
-                                      drop_last=True, collate_fn=collate,
+                                      drop_last=not cfg.elastic.enabled, collate_fn=collate,
                                       generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
     val = CountingLoader(DataLoader(SeededSamples(val_set), batch_size=batch, sampler=val_sampler, drop_last=False,
                                     collate_fn=collate, generator=torch.Generator().manual_seed(cfg.seed),
                                     **kwargs), fail)
-    return Loaders(train, val, train_sampler, num_classes, len(train_set), len(val_set), index)
+    return Loaders(train, val, train_sampler, num_classes, len(train_set), len(val_set), index, val_sampler)

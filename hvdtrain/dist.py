@@ -13,10 +13,11 @@ from typing import Any, Iterable
 import torch
 
 import horovod.torch as hvd
+from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
 Compression = hvd.Compression
-__all__ = ["HorovodInternalError"]
+__all__ = ["HorovodInternalError", "ObjectState"]
 # Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
 CudaSyncBatchNorm = hvd.SyncBatchNorm
 
@@ -183,6 +184,12 @@ def distributed_optimizer(
         backward_passes_per_step=backward_passes_per_step,
         op=hvd.Adasum if op == "adasum" else hvd.Average,
     )
+
+
+def elastic_run(func):
+    """Horovod Elastic's retry loop: ``func(state)`` runs again after every membership change,
+    once ``state`` has been rolled back (on a failure) and synchronized from rank 0."""
+    return hvd.elastic.run(func)
 
 
 def launcher_env() -> dict[str, str]:

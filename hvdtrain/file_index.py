@@ -160,10 +160,11 @@ def shared_index(root: Path, cache_dir: Path | None, is_primary: bool,
     """Rank 0 builds the index (or finds the problem); every rank gets the same result.
 
     A layout problem is broadcast too, so that every rank raises the same one-line error instead
-    of the other ranks waiting forever for rank 0.
+    of the other ranks waiting forever for rank 0. Without ``broadcast_object`` (elastic workers,
+    which must not call collectives while joining) every process builds or loads it itself.
     """
     result: tuple[str, Any] = ("error", "not built")
-    if is_primary:
+    if is_primary or broadcast_object is None:
         try:
             result = ("ok", build_index(root, cache_dir))
         except LayoutError as error:

@@ -50,16 +50,18 @@ def threads_per_rank(cfg: Config) -> int:
     return max(1, cores // max(1, dist.local_size()))
 
 
-def dataset_root(cfg: Config) -> Path | None:
+def dataset_root(cfg: Config, collective: bool = True) -> Path | None:
     if cfg.data.synthetic:
         return None
     if cfg.data.dir:
         return Path(cfg.data.dir).expanduser()
     # The built-in demo dataset: one process per host generates it while the others wait, then
-    # every process finds it in place.
-    if dist.local_rank() == 0:
-        ensure_demo_dataset()
-    dist.barrier()
+    # every process finds it in place. (Without collectives, every process makes sure of it: the
+    # generation ends in an atomic rename, so racing processes are safe.)
+    if collective:
+        if dist.local_rank() == 0:
+            ensure_demo_dataset()
+        dist.barrier()
     return ensure_demo_dataset()
 
 
@@ -79,19 +81,22 @@ class Run:
     start_epoch: int = 0
     best_top1: float | None = None
 
-    @property
-    def samples_per_rank_step(self) -> int:
-        """Samples one rank consumes per optimizer step."""
-        return self.cfg.train.batch_size * self.cfg.train.backward_passes_per_step
-
 
 def setup(cfg: Config, resume_from: Path | None = None) -> Run:
-    """Everything before the first step; identical on every rank up to the broadcast."""
+    """Everything before the first step; identical on every rank up to the broadcast.
+
+    Under Horovod Elastic a worker may join a running job, whose other ranks are then inside the
+    state synchronization: setup must not call any collective, and the elastic state (not
+    ``resume_and_broadcast``) brings the newcomer up to date.
+    """
+    elastic = cfg.elastic.enabled
     dist.init(gpu=cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and torch.cuda.is_available()),
               timeout_seconds=cfg.dist.timeout_seconds)
     # Every rank's address and liveness port, known to every rank, to name a lost one later.
+    # (Elastic runs leave lost workers to Horovod Elastic instead.)
     liveness = LivenessService(dist.rank())
-    peers = [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]
+    peers = [] if elastic else [Peer(**info) for info in dist.allgather_object(liveness.describe(),
+                                                                              name="hvdtrain.peers")]
     if not dist.is_primary():
         warnings.filterwarnings("ignore")
     device = pick_device(cfg)
@@ -102,8 +107,8 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     torch.manual_seed(cfg.seed)
 
     world_size = dist.size()
-    loaders = build_loaders(cfg, dataset_root(cfg), dist.rank(), world_size, pin_memory=device.type == "cuda",
-                            broadcast_object=dist.broadcast_object)
+    loaders = build_loaders(cfg, dataset_root(cfg, collective=not elastic), dist.rank(), world_size,
+                            pin_memory=device.type == "cuda", broadcast_object=None if elastic else dist.broadcast_object)
     passes = cfg.train.backward_passes_per_step
     steps_per_epoch = len(loaders.train) // passes
     if cfg.train.steps_per_epoch:
@@ -144,12 +149,19 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
                        clip_grad_norm=cfg.optim.clip_grad_norm, backward_passes_per_step=passes)
     run = Run(cfg=cfg, state=state, loaders=loaders, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
               run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
-              watchdog=Watchdog(cfg.dist.timeout_seconds, peers, dist.rank()))
-    resume_and_broadcast(run, resume_from)
+              watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()))
+    if elastic:
+        if dist.is_primary():
+            found = checkpoint.load_for_resume(cfg.checkpoint.resume, run.run_dir / "checkpoints", log)
+            if found is not None:
+                apply_checkpoint(run, found[1], source=found[0])
+    else:
+        resume_and_broadcast(run, resume_from)
 
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
-        f"device {device.type}, {threads} threads/rank; ranks: "
-        + ", ".join(f"{p.rank}={p.host}:{p.pid}" for p in peers[:16]) + (" ..." if len(peers) > 16 else ""))
+        f"device {device.type}, {threads} threads/rank"
+        + ("; ranks: " + ", ".join(f"{p.rank}={p.host}:{p.pid}" for p in peers[:16]) if peers else "")
+        + (" ..." if len(peers) > 16 else "") + ("; elastic" if elastic else ""))
     if loaders.index is not None:
         log(f"hvdtrain: file index of {loaders.index.root} from {loaders.index.source} "
             f"in {loaders.index.seconds:.2f}s")
@@ -212,6 +224,20 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
         log(f"hvdtrain: the checkpoint was written by {progress['world_size']} ranks, this job has {dist.size()}: "
             f"global batch {samples_per_step}, learning rate rescaled"
             + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
+
+
+def apply_checkpoint(run: Run, payload: dict[str, Any], source: Path) -> None:
+    """Load a checkpoint into this process only (elastic runs; the elastic state syncs the rest)."""
+    state = run.state
+    state.model.load_state_dict(payload["model"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    if state.scaler is not None and payload.get("scaler"):
+        state.scaler.load_state_dict(payload["scaler"])
+    state.step = int(payload["step"])
+    state.epoch = run.start_epoch = int(payload["epoch"])
+    state.step_in_epoch = int(payload.get("samples_in_epoch", 0)) // run.global_batch
+    run.best_top1 = payload.get("best_top1")
+    log(f"hvdtrain: resumed from {source} at epoch {state.epoch + 1} (global step {state.step})")
 
 
 def restore_rank_buffers(model: torch.nn.Module, rank_buffers: list[dict], rank: int | None) -> None:
@@ -277,17 +303,66 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: not finished, try again
 
 
+class Outputs:
+    """Rank 0's writers (metrics.jsonl, tensorboard, checkpoints); inert on other ranks."""
+
+    def __init__(self, run: Run):
+        self.writer, self.saver = None, None
+        if dist.is_primary():
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg))
+            self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard)
+            self.saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=run.cfg.checkpoint.keep)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, Any],
+              watch: bool = True) -> dict[str, Any]:
+    """Average BatchNorm statistics, validate, checkpoint and log one finished epoch (every rank)."""
+    state, cfg = run.state, run.cfg
+    dist.average_buffers(state.model)
+    if watch:
+        run.watchdog.beat()
+    val_metrics = evaluate(state, run.loaders.val, dist.allreduce_sum,
+                           on_batch=run.watchdog.beat if watch else None)
+    run.watchdog.disarm()
+    val_metrics["lr"] = train_metrics["lr"]
+    state.epoch, state.step_in_epoch = epoch + 1, 0
+    is_best = run.best_top1 is None or val_metrics["top1"] > run.best_top1
+    if is_best:
+        run.best_top1 = val_metrics["top1"]
+    save_checkpoint(run, outputs.saver, is_best=is_best)
+    if outputs.writer is not None:
+        for split, values in (("train", train_metrics), ("val", val_metrics)):
+            outputs.writer.write({"split": split, "epoch": epoch, "step": state.step,
+                                  **{k: v for k, v in values.items() if k != "stopped"}})
+        log(epoch_line(epoch, cfg.train.epochs, train_metrics, val_metrics))
+    return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": state.step}
+
+
+def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: int) -> None:
+    state = run.state
+    path = save_checkpoint(run, outputs.saver)
+    log(f"hvdtrain: stopped by {stop.reason()} in epoch {state.epoch + 1}/{run.cfg.train.epochs} at step "
+        f"{state.step_in_epoch}/{steps} (global step {state.step}); checkpoint saved to {path}. "
+        f"Resume with the same command (checkpoint.resume=auto).")
+    raise Preempted()
+
+
 def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
     """Train for ``cfg.train.epochs`` epochs; returns the run and the last epoch's metrics (every rank)."""
+    if cfg.elastic.enabled:
+        from .elastic import train_elastic
+
+        return train_elastic(cfg)
     run = setup(cfg)
     state, loaders = run.state, run.loaders
-    writer, saver = None, None
-    if dist.is_primary():
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        (run.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        writer = MetricsWriter(run.run_dir, tensorboard=cfg.output.tensorboard)
-        saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+    outputs = Outputs(run)
     stop = StopRequest()
+    progress: Progress | None = None
 
     def after_step(state: TrainState) -> None:
         if progress:
@@ -295,7 +370,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
         every = cfg.checkpoint.every_steps
         if every and state.step % every == 0 and state.step_in_epoch < run.steps_per_epoch:
             run.watchdog.disarm()
-            save_checkpoint(run, saver)
+            save_checkpoint(run, outputs.saver)
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
 
     last: dict[str, Any] = {}
@@ -307,7 +382,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
             for epoch in range(run.start_epoch, cfg.train.epochs):
                 state.epoch = epoch
                 if loaders.train_sampler is not None:
-                    loaders.train_sampler.set_epoch(epoch, start=state.step_in_epoch * run.samples_per_rank_step)
+                    loaders.train_sampler.set_epoch(epoch, start=state.step_in_epoch * run.global_batch)
                 progress = Progress(epoch, cfg.train.epochs, run.steps_per_epoch) \
                     if cfg.output.progress and dist.is_primary() else None
                 if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
@@ -318,28 +393,8 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
                 if progress:
                     progress.close()
                 if train_metrics["stopped"]:
-                    path = save_checkpoint(run, saver)
-                    log(f"hvdtrain: stopped by {stop.reason()} in epoch {epoch + 1}/{cfg.train.epochs} at step "
-                        f"{state.step_in_epoch}/{run.steps_per_epoch} (global step {state.step}); checkpoint "
-                        f"saved to {path}. Resume with the same command (checkpoint.resume=auto).")
-                    raise Preempted()
-                dist.average_buffers(state.model)
-                if epoch > run.start_epoch:
-                    run.watchdog.beat()
-                val_metrics = evaluate(state, loaders.val, dist.allreduce_sum, on_batch=run.watchdog.beat)
-                run.watchdog.disarm()
-                val_metrics["lr"] = train_metrics["lr"]
-                state.epoch, state.step_in_epoch = epoch + 1, 0
-                is_best = run.best_top1 is None or val_metrics["top1"] > run.best_top1
-                if is_best:
-                    run.best_top1 = val_metrics["top1"]
-                save_checkpoint(run, saver, is_best=is_best)
-                last = {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": state.step}
-                if writer is not None:
-                    for split, values in (("train", train_metrics), ("val", val_metrics)):
-                        writer.write({"split": split, "epoch": epoch, "step": state.step,
-                                      **{k: v for k, v in values.items() if k != "stopped"}})
-                    log(epoch_line(epoch, cfg.train.epochs, train_metrics, val_metrics))
+                    stop_for_preemption(run, outputs, stop, run.steps_per_epoch)
+                last = end_epoch(run, outputs, epoch, train_metrics, watch=epoch > run.start_epoch)
     except dist.HorovodInternalError as error:
         run.watchdog.disarm()
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -348,8 +403,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
         raise LostRank(line, speak) from None
     finally:
         shutdown_workers(loaders.train, loaders.val)
-        if writer is not None:
-            writer.close()
+        outputs.close()
     return run, last
 
 

@@ -55,9 +55,23 @@ def test_resume_position_skips_exactly_what_was_consumed():
     sampler = ShardedSampler(50, 2, 1, seed=5)
     sampler.set_epoch(2)
     full = list(sampler)
-    sampler.set_epoch(2, start=7)
+    sampler.set_epoch(2, start=14)  # 14 samples consumed by 2 ranks = 7 per rank
     assert list(sampler) == full[7:]
     assert len(sampler) == len(full) - 7
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (2, 3), (4, 2)])
+def test_changing_the_number_of_ranks_mid_epoch_neither_skips_nor_repeats(before, after):
+    num_samples, consumed = 60, 24
+    first = [ShardedSampler(num_samples, before, r, seed=9).indices() for r in range(before)]
+    done = [i for r in range(before) for i in first[r][:consumed // before]]
+    rest = []
+    for r in range(after):
+        sampler = ShardedSampler(num_samples, after, r, seed=9)
+        sampler.set_epoch(0, start=consumed)
+        rest += sampler.indices()
+    assert sorted(done + rest[:num_samples - consumed]) == list(range(num_samples))
+    assert len(set(done + rest)) == num_samples
 
 
 def test_augmentation_seed_depends_on_sample_not_on_rank_or_position():

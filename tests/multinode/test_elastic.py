@@ -1,0 +1,92 @@
+"""Elastic training over the two ssh machines: a worker on node1 is killed and node1 leaves the
+discovery list; training goes on with node0 alone, without losing or repeating a sample of the
+interrupted epoch; node1 comes back and is added again; every epoch completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from .nodes import BIN, REPO
+
+EPOCHS = 14
+
+
+def worker_pids(host: str, marker: str) -> list[int]:
+    """Training processes started for ``host`` (horovodrun sets HOROVOD_HOSTNAME)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"python") and marker.encode() in b" ".join(argv) \
+                and f"HOROVOD_HOSTNAME={host}".encode() in environ and b"-m" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for(job: subprocess.Popen, lines: list[str], text: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-4000:]}")
+
+
+def test_elastic_run_survives_a_lost_host_and_takes_it_back(two_nodes, tiny_data, tmp_path):
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("node0:1\nnode1:1\n")
+    run_dir = tmp_path / "run"
+    env = two_nodes.env(tmp_path)
+    env["HVDTRAIN_HOSTS_FILE"] = str(hosts_file)
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", str(REPO / "hostfiles" / "discover-hosts.sh"),
+           "--blacklist-cooldown-range", "2", "4", "--network-interfaces", "lo", "--gloo",
+           str(BIN / "python"), "-m", "hvdtrain", "--config", "debug", f"data.dir={tiny_data}",
+           f"output.dir={run_dir}", f"train.epochs={EPOCHS}", "train.steps_per_epoch=0",
+           "elastic.enabled=true", "elastic.sample_log=true", "elastic.commit_every_steps=1"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        wait_for(job, lines, f"epoch 1/{EPOCHS} ")
+        victims = worker_pids("node1", str(run_dir))
+        assert len(victims) == 1, victims
+        hosts_file.write_text("node0:1\n")
+        os.kill(victims[0], signal.SIGKILL)
+        wait_for(job, lines, "elastic: 1 rank(s)")
+        wait_for(job, lines, "epoch ")  # an epoch finishes on node0 alone
+        hosts_file.write_text("node0:1\nnode1:1\n")
+        wait_for(job, lines, "elastic: 2 rank(s)")
+        rest, _ = job.communicate(timeout=400)
+    finally:
+        job.kill()
+    output = "".join(lines) + rest
+    assert job.returncode == 0, output[-4000:]
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["split"] == "train"] == list(range(EPOCHS))
+    sizes = [r["world_size"] for r in records if r["split"] == "train"]
+    assert 1 in sizes and sizes[-1] == 2, sizes
+
+    # Every epoch, the interrupted one included, trained on each of the 96 images exactly once.
+    seen: dict[int, list[int]] = {}
+    for path in (run_dir / "samples").iterdir():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            seen.setdefault(entry["epoch"], []).extend(entry["indices"])
+    assert sorted(seen) == list(range(EPOCHS))
+    for epoch, indices in seen.items():
+        assert sorted(indices) == list(range(96)), f"epoch {epoch}: {len(indices)} samples"
+    assert len(list((run_dir / "samples").iterdir())) >= 3  # node0's worker, the lost one, the newcomer
