@@ -51,6 +51,9 @@ def test_elastic_run_survives_a_lost_host_and_takes_it_back(two_nodes, tiny_data
     run_dir = tmp_path / "run"
     env = two_nodes.env(tmp_path)
     env["HVDTRAIN_HOSTS_FILE"] = str(hosts_file)
+    # Membership is what the hosts file says: the script's ssh liveness probe (2 s) can time out on
+    # a loaded 2-core test machine and would make node1 come and go on its own.
+    env["HVDTRAIN_DISCOVERY_NO_SSH"] = "1"
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(REPO / "hostfiles" / "discover-hosts.sh"),
            "--blacklist-cooldown-range", "2", "4", "--network-interfaces", "lo", "--gloo",
@@ -78,7 +81,7 @@ def test_elastic_run_survives_a_lost_host_and_takes_it_back(two_nodes, tiny_data
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if r["split"] == "train"] == list(range(EPOCHS))
     sizes = [r["world_size"] for r in records if r["split"] == "train"]
-    assert 1 in sizes and sizes[-1] == 2, sizes
+    assert 1 in sizes and sizes[-1] == 2, (sizes, output[-6000:])
 
     # Every epoch, the interrupted one included, trained on each of the 96 images exactly once.
     seen: dict[int, list[int]] = {}
