@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms
 
 from .config import Config, DataConfig
-from .file_index import DataError, FileIndex, shared_index
+from .file_index import DataError, FileIndex, shared_index  # noqa: F401 - DataError is re-exported
 from .folder_data import CountingLoader, ImageFiles, collate
 from .imaging import CenterCrop, TrainCrop, Transform
 

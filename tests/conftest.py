@@ -54,6 +54,23 @@ def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int
     return result
 
 
+def training_processes(marker: str) -> dict[int, dict[str, str]]:
+    """Python processes whose argv contains ``marker`` (e.g. their output dir), with their
+    environment: the ranks themselves, not launchers or loader workers (whose argv lacks it)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"python") and marker.encode() in b" ".join(argv):
+            found[int(entry.name)] = dict(v.decode(errors="replace").split("=", 1) for v in environ if b"=" in v)
+    return found
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """4 classes x 24 training images; 21 validation images (an odd count: uneven shards)."""

@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import job_env
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 HOSTS_FILE = Path("/etc/hosts")
@@ -291,18 +293,7 @@ class TwoNodes:
         return subprocess.run(["ssh", host, command], capture_output=True, text=True, timeout=timeout)
 
     def env(self, cwd: Path) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update({
-            "PYTHONPATH": str(REPO),
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1",
-            "HVDTRAIN_CACHE": str(cwd / "cache"),
-            "OMPI_ALLOW_RUN_AS_ROOT": "1",
-            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-            "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
-            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-        })
-        return env
+        return job_env(cwd)  # the same environment as single-machine jobs (tests/conftest.py)
 
     def horovodrun(self, program: list[str], cwd: Path, np: int = 2, hosts: str | None = "node0:1,node1:1",
                    controller: str = "gloo", extra: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT,

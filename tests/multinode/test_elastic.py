@@ -9,7 +9,8 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
+
+from conftest import training_processes
 
 from .nodes import BIN, REPO
 
@@ -18,19 +19,7 @@ EPOCHS = 14
 
 def worker_pids(host: str, marker: str) -> list[int]:
     """Training processes started for ``host`` (horovodrun sets HOROVOD_HOSTNAME)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"python") and marker.encode() in b" ".join(argv) \
-                and f"HOROVOD_HOSTNAME={host}".encode() in environ and b"-m" in argv:
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, environ in training_processes(marker).items() if environ.get("HOROVOD_HOSTNAME") == host]
 
 
 def wait_for(job: subprocess.Popen, lines: list[str], text: str, timeout: float = 240) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, PROBE, job_env, launch
+from conftest import BIN, PROBE, job_env, launch, training_processes
 
 # Augmentation on, a loader worker per rank, fp16 AMP (GradScaler state), mid-epoch checkpoints
 # every 3 steps with 4 steps per epoch: checkpoints at steps 3, 4, 6, 8, 9, 12.
@@ -134,22 +134,12 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path):
 
 
 def rank_pids(marker: str) -> dict[int, int]:
-    """PIDs of the training processes (not launchers, not loader workers) whose argv has marker."""
+    """rank -> PID of the training processes whose argv has ``marker``."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not argv or not argv[0].endswith(b"python") or marker.encode() not in b" ".join(argv):
-            continue
-        for var in environ:
-            for key in (b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK="):
-                if var.startswith(key):
-                    found[int(var[len(key):])] = int(entry.name)
+    for pid, environ in training_processes(marker).items():
+        for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+            if key in environ:
+                found[int(environ[key])] = pid
     return found
 
 

@@ -19,7 +19,7 @@ from hvdtrain.bench_data import photo
 from hvdtrain.config import DataConfig
 from hvdtrain.data import DataError, file_datasets
 from hvdtrain.file_index import build_index, cache_file
-from hvdtrain.folder_data import BadFileError, CountingLoader, ImageFiles, collate
+from hvdtrain.folder_data import BadFileError, CountingLoader, collate
 from hvdtrain.imaging import BadImage, CenterCrop, TrainCrop, crop_params
 
 REPO = Path(__file__).resolve().parents[2]
