@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,19 @@ def training_processes(marker: str) -> dict[int, dict[str, str]]:
         if argv and argv[0].endswith(b"python") and marker.encode() in b" ".join(argv):
             found[int(entry.name)] = dict(v.decode(errors="replace").split("=", 1) for v in environ if b"=" in v)
     return found
+
+
+def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180, lines: list[str] | None = None) -> list[str]:
+    """Read ``job``'s output until a line contains ``text``; returns (and extends) the lines read."""
+    lines, deadline = ([] if lines is None else lines), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-3000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,9 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
-from conftest import training_processes
+from conftest import training_processes, wait_for_line
 
 from .nodes import BIN, REPO
 
@@ -21,18 +20,6 @@ EPOCHS = 14
 def worker_pids(host: str, marker: str) -> list[int]:
     """Training processes started for ``host`` (horovodrun sets HOROVOD_HOSTNAME)."""
     return [pid for pid, environ in training_processes(marker).items() if environ.get("HOROVOD_HOSTNAME") == host]
-
-
-def wait_for(job: subprocess.Popen, lines: list[str], text: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = job.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if text in line:
-            return
-    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-4000:]}")
 
 
 # Known bug (open in issue 4): after node1 rejoins, the newcomer sometimes dies with Gloo's
@@ -60,15 +47,15 @@ def test_elastic_run_survives_a_lost_host_and_takes_it_back(two_nodes, tiny_data
     job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
-        wait_for(job, lines, f"epoch 1/{EPOCHS} ")
+        wait_for_line(job, f"epoch 1/{EPOCHS} ", timeout=240, lines=lines)
         victims = worker_pids("node1", str(run_dir))
         assert len(victims) == 1, victims
         hosts_file.write_text("node0:1\n")
         os.kill(victims[0], signal.SIGKILL)
-        wait_for(job, lines, "elastic: 1 rank(s)")
-        wait_for(job, lines, "epoch ")  # an epoch finishes on node0 alone
+        wait_for_line(job, "elastic: 1 rank(s)", timeout=240, lines=lines)
+        wait_for_line(job, "epoch ", timeout=240, lines=lines)  # an epoch finishes on node0 alone
         hosts_file.write_text("node0:1\nnode1:1\n")
-        wait_for(job, lines, "elastic: 2 rank(s)")
+        wait_for_line(job, "elastic: 2 rank(s)", timeout=240, lines=lines)
         rest, _ = job.communicate(timeout=400)
     finally:
         job.kill()

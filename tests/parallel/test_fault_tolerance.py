@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, PROBE, job_env, launch, training_processes
+from conftest import BIN, PROBE, job_env, launch, training_processes, wait_for_line
 
 # Augmentation on, a loader worker per rank, fp16 AMP (GradScaler state), mid-epoch checkpoints
 # every 3 steps with 4 steps per epoch: checkpoints at steps 3, 4, 6, 8, 9, 12.
@@ -151,18 +151,6 @@ def start_job(kind: str, program: list[str], tmp: Path) -> subprocess.Popen:
         cmd = ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
     return subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-
-
-def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180) -> list[str]:
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = job.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if text in line:
-            return lines
-    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-3000:]}")
 
 
 @pytest.mark.parametrize("kind, signum, targets", [
