@@ -114,10 +114,6 @@ def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor
     return hvd.allreduce(tensor, op=hvd.Sum, name=name)
 
 
-def allreduce_mean(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    return hvd.allreduce(tensor, op=hvd.Average, name=name)
-
-
 def allreduce_max(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Element-wise maximum over ranks (e.g. the slowest rank's time)."""
     return hvd.allreduce(tensor, op=hvd.Max, name=name)

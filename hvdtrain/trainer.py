@@ -188,10 +188,7 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
                  else checkpoint.load_for_resume(cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
         if found is not None:
             path, payload = found
-            state.model.load_state_dict(payload["model"])
-            state.optimizer.load_state_dict(payload["optimizer"])
-            if state.scaler is not None and payload.get("scaler"):
-                state.scaler.load_state_dict(payload["scaler"])
+            load_states(state, payload)
             progress = {"source": str(path), "epoch": int(payload["epoch"]), "step": int(payload["step"]),
                         "samples_in_epoch": int(payload.get("samples_in_epoch", 0)),
                         "world_size": int(payload.get("world_size", 0)), "rng": payload.get("rng", []),
@@ -226,13 +223,18 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
             + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
 
 
-def apply_checkpoint(run: Run, payload: dict[str, Any], source: Path) -> None:
-    """Load a checkpoint into this process only (elastic runs; the elastic state syncs the rest)."""
-    state = run.state
+def load_states(state: TrainState, payload: dict[str, Any]) -> None:
+    """Model, optimizer and GradScaler from a checkpoint, into this process."""
     state.model.load_state_dict(payload["model"])
     state.optimizer.load_state_dict(payload["optimizer"])
     if state.scaler is not None and payload.get("scaler"):
         state.scaler.load_state_dict(payload["scaler"])
+
+
+def apply_checkpoint(run: Run, payload: dict[str, Any], source: Path) -> None:
+    """Load a checkpoint into this process only (elastic runs; the elastic state syncs the rest)."""
+    state = run.state
+    load_states(state, payload)
     state.step = int(payload["step"])
     state.epoch = run.start_epoch = int(payload["epoch"])
     state.step_in_epoch = int(payload.get("samples_in_epoch", 0)) // run.global_batch
