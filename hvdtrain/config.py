@@ -147,7 +147,7 @@ class ElasticConfig:
     commit_every_steps: int = 10
     """Commit the in-memory state every this many steps; a failure rolls back to the last commit."""
     sample_log: bool = False
-    """Log the sample indices of every committed step to <output.dir>/samples/, to audit a run."""
+    """Log every rank's sample indices of every committed step to <output.dir>/samples.jsonl, to audit a run."""
 
 
 @dataclass

@@ -40,27 +40,51 @@ CPU_ENV_DEFAULTS = {
 }
 GPU_ENV_DEFAULTS: dict[str, str] = {}
 
+# Not in elastic runs. In Horovod 0.28.1 a fixed cycle time breaks re-initialization in the same
+# process (what hvd.elastic.run does after every membership change): ParameterManager's
+# BayesianParameter drops a fixed variable from its index map, and the next init's default
+# SetCycleTimeMs(1) then writes its 1 into the slot of the fusion threshold. Workers that were
+# re-initialized fuse gradients up to 1 MB, a worker that has just joined up to 128 MB; where
+# the response cache lets each rank fuse locally they build different buffers, and Gloo aborts
+# the newcomer with "op.preamble.length <= op.nbytes". (Seen in this repository's elastic test.)
+ELASTIC_UNSAFE_ENV = "HOROVOD_CYCLE_TIME"
 
-def apply_env_defaults(gpu: bool) -> dict[str, str]:
+
+def apply_env_defaults(gpu: bool, elastic: bool = False) -> dict[str, str]:
     """Set hvdtrain's defaults for variables the environment leaves unset; returns the effective values."""
-    defaults = GPU_ENV_DEFAULTS if gpu else CPU_ENV_DEFAULTS
+    defaults = dict(GPU_ENV_DEFAULTS if gpu else CPU_ENV_DEFAULTS)
+    if elastic:
+        defaults.pop(ELASTIC_UNSAFE_ENV, None)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in defaults}
 
 
-def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
+def check_elastic_env() -> None:
+    """Refuse settings that Horovod Elastic cannot survive, before any worker starts training."""
+    if ELASTIC_UNSAFE_ENV in os.environ:
+        from .config import ConfigError
+
+        raise ConfigError(
+            f"{ELASTIC_UNSAFE_ENV}={os.environ[ELASTIC_UNSAFE_ENV]} is set, and with elastic.enabled=true Horovod "
+            "0.28.1 then loses its fusion threshold whenever workers re-initialize, so a worker that joins "
+            f"crashes the job; unset {ELASTIC_UNSAFE_ENV} (and leave out horovodrun --cycle-time-ms) for elastic runs")
+
+
+def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = False) -> None:
     """Initialize Horovod once (idempotent), after hvdtrain's environment defaults for ``gpu`` (None:
     whether CUDA is available).
 
     A Gloo collective gives up after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default); a longer
     ``timeout_seconds`` raises it so that slow but healthy phases are not cut short. Settings the
-    user exported win.
+    user exported win, except those an ``elastic`` run cannot survive (a one-line error).
     """
+    if elastic:
+        check_elastic_env()
     if timeout_seconds > 30:
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
     if not hvd.is_initialized():
-        apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu)
+        apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu, elastic=elastic)
         hvd.init()
 
 

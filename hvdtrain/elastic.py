@@ -13,7 +13,9 @@ hvdtrain elastic.enabled=true ...``. The training loop runs inside Horovod Elast
   count of samples all ranks consumed together, so the remaining samples are re-split over the new
   ranks: no sample of the interrupted epoch is lost or seen twice;
 * the global batch, the steps per epoch and the learning rate follow the current number of ranks
-  (linear scaling), at the same point of the schedule.
+  (linear scaling), at the same point of the schedule;
+* the epoch's training loss and accuracy sums are committed too (summed over ranks at each commit),
+  so an epoch interrupted by a reset still reports all of its committed steps.
 
 Horovod's own ``TorchState`` is not used for the optimizer: its ``broadcast_optimizer_state``
 initializes a newcomer's empty state with a zero-gradient step, which applies weight decay to the
@@ -30,26 +32,30 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import dist
 from .config import Config
 from .data import shutdown_workers
 from .engine import TrainState, train_one_epoch
+from .metrics import SUM_FIELDS, MetricSums, summarize
 from .optim import LRSchedule
 from .preemption import StopRequest
 from .trainer import Outputs, Run, end_epoch, log, setup, stop_for_preemption
 
 
 class SampleLog:
-    """The dataset indices this process trained on, written at each commit (audit trail).
+    """The dataset indices every rank trained on, for auditing: ``samples.jsonl``, one line per rank
+    per committed step.
 
-    Steps after the last commit are held back and dropped on a rollback, so the files list exactly
-    the samples that went into the committed model.
+    Each rank holds its records back until a commit; the commit gathers them, and rank 0 appends
+    them. A step is written exactly when it is committed, the share of a rank lost right after it
+    included, and steps rolled back are dropped.
     """
 
     def __init__(self, run_dir: Path):
-        directory = run_dir / "samples"
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{socket.gethostname()}-{os.getpid()}.jsonl"
+        self.path = run_dir / "samples.jsonl"
+        self.process = f"{os.environ.get('HOROVOD_HOSTNAME') or socket.gethostname()}:{os.getpid()}"
         self.pending: list[dict[str, Any]] = []
         self.indices: list[int] = []
         self.cursor = 0
@@ -61,13 +67,15 @@ class SampleLog:
         taken = self.indices[self.cursor:self.cursor + count]
         self.cursor += count
         self.pending.append({"epoch": epoch, "step": step, "rank": dist.rank(), "size": dist.size(),
-                             "indices": taken})
+                             "process": self.process, "indices": taken})
 
-    def flush(self) -> None:
-        if self.pending:
+    def commit(self) -> None:
+        """A collective: every rank's held-back records, written by rank 0."""
+        gathered = dist.allgather_object(self.pending, name="hvdtrain.elastic.samples")
+        self.pending = []
+        if dist.is_primary():
             with self.path.open("a") as handle:
-                handle.writelines(json.dumps(entry) + "\n" for entry in self.pending)
-            self.pending = []
+                handle.writelines(json.dumps(entry) + "\n" for entries in gathered for entry in entries)
 
     def discard(self) -> None:
         self.pending = []
@@ -83,7 +91,7 @@ class ElasticState(dist.ObjectState):
         state = run.state
         super().__init__(bcast_object=dist.broadcast_object, get_rank=dist.rank, epoch=state.epoch,
                          step=state.step, samples_in_epoch=state.step_in_epoch * run.global_batch,
-                         best_top1=run.best_top1)
+                         best_top1=run.best_top1, train_sums=[0.0] * len(SUM_FIELDS))
 
     def _snapshot(self) -> dict[str, Any]:
         state = self._run.state
@@ -92,9 +100,10 @@ class ElasticState(dist.ObjectState):
                 "scaler": state.scaler.state_dict() if state.scaler is not None else None}
 
     def save(self) -> None:
-        self._saved = self._snapshot()
+        # The collective first: if a peer is lost during it, nothing here has changed yet.
         if self._samples is not None:
-            self._samples.flush()
+            self._samples.commit()
+        self._saved = self._snapshot()
         super().save()
 
     def restore(self) -> None:
@@ -177,6 +186,13 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
             if samples is not None:
                 samples.start(loaders.train_sampler.indices())
 
+            # Loss and accuracy sums of the epoch's committed steps (global), and this call's own (local).
+            committed_before = torch.tensor(es.train_sums, dtype=torch.float64)
+            sums = MetricSums()
+
+            def epoch_sums() -> torch.Tensor:
+                return committed_before + dist.allreduce_sum(sums.local(), name="hvdtrain.elastic.train_sums")
+
             def after_step(state: TrainState) -> None:
                 consumed = min(run.global_batch, loaders.train_size - es.samples_in_epoch)
                 es.samples_in_epoch += consumed
@@ -184,15 +200,18 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
                 if samples is not None:
                     samples.record(state.epoch, state.step, run.global_batch // dist.size())
                 if state.step % cfg.elastic.commit_every_steps == 0:
+                    es.train_sums = epoch_sums().tolist()
                     es.commit()
 
             train_metrics = train_one_epoch(state, loaders.train, steps, dist.allreduce_sum, on_step=after_step,
-                                            should_stop=stop.agreed)
+                                            should_stop=stop.agreed, sums=sums)
+            train_metrics.update(summarize(epoch_sums()))  # the whole epoch, across resets
             if train_metrics["stopped"]:
                 stop_for_preemption(run, out, stop, steps)
             train_metrics["world_size"] = dist.size()
             last = end_epoch(run, out, es.epoch, train_metrics, watch=False)
             es.epoch, es.samples_in_epoch, es.step, es.best_top1 = es.epoch + 1, 0, state.step, run.best_top1
+            es.train_sums = [0.0] * len(SUM_FIELDS)
             es.commit()
 
     try:

@@ -84,6 +84,7 @@ def train_one_epoch(
     allreduce_sum: AllreduceSum,
     on_step: Callable[[TrainState], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    sums: MetricSums | None = None,
 ) -> dict[str, float]:
     """Run the epoch's optimizer steps from ``state.step_in_epoch`` up to ``steps``.
 
@@ -91,11 +92,12 @@ def train_one_epoch(
     boundary (it must give the same answer on every rank) and ends the epoch early. Returns global
     metrics over the steps run: loss, top1, top5, samples, seconds, images_per_sec, lr,
     data_wait_fraction (time waiting for the next batch over the wall time, averaged over ranks)
-    and stopped.
+    and stopped. ``sums``, when given, is where this rank's loss and accuracy sums accumulate (the
+    caller may read them between steps).
     """
     model, device = state.model, state.device
     model.train()
-    sums = MetricSums()
+    sums = MetricSums() if sums is None else sums
     passes = state.backward_passes_per_step
     iterator: Iterator = iter(batches)
     data_seconds = 0.0

@@ -42,9 +42,12 @@ class MetricSums:
                            torch.tensor(float(count), dtype=torch.float64, device=targets.device)])
         self.values = row if self.values is None else self.values + row
 
+    def local(self) -> torch.Tensor:
+        """This rank's sums so far, on the host, in SUM_FIELDS order."""
+        return torch.zeros(len(SUM_FIELDS), dtype=torch.float64) if self.values is None else self.values.cpu()
+
     def reduced(self, allreduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        local = torch.zeros(len(SUM_FIELDS), dtype=torch.float64) if self.values is None else self.values.cpu()
-        return summarize(allreduce_sum(local))
+        return summarize(allreduce_sum(self.local()))
 
 
 def summarize(sums: torch.Tensor) -> dict[str, float]:

@@ -91,7 +91,7 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     """
     elastic = cfg.elastic.enabled
     dist.init(gpu=cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and torch.cuda.is_available()),
-              timeout_seconds=cfg.dist.timeout_seconds)
+              timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic)
     # Every rank's address and liveness port, known to every rank, to name a lost one later.
     # (Elastic runs leave lost workers to Horovod Elastic instead.)
     liveness = LivenessService(dist.rank())

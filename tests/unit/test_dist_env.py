@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from hvdtrain import dist
+from hvdtrain.config import ConfigError
 
 
 def test_cpu_defaults_fill_only_unset_variables(monkeypatch):
@@ -20,3 +23,21 @@ def test_gpu_keeps_horovods_own_defaults(monkeypatch):
     dist.apply_env_defaults(gpu=True)
     assert "HOROVOD_CYCLE_TIME" not in os.environ
     assert "OMPI_MCA_mpi_yield_when_idle" not in os.environ
+
+
+def test_elastic_runs_keep_horovods_cycle_time(monkeypatch):
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    effective = dist.apply_env_defaults(gpu=False, elastic=True)
+    assert effective == {"OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert "HOROVOD_CYCLE_TIME" not in os.environ
+
+
+def test_elastic_run_refuses_a_fixed_cycle_time_in_one_line(monkeypatch):
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    with pytest.raises(ConfigError) as error:
+        dist.check_elastic_env()
+    message = str(error.value)
+    assert "\n" not in message and "HOROVOD_CYCLE_TIME=5" in message and "unset HOROVOD_CYCLE_TIME" in message
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+    dist.check_elastic_env()
