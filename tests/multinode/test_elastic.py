@@ -1,16 +1,19 @@
 """Elastic training over the two ssh machines: a worker on node1 is killed and node1 leaves the
 discovery list; training goes on with node0 alone, without losing or repeating a sample of the
-interrupted epoch; node1 comes back and is added again; every epoch completes."""
+interrupted epoch; node1 comes back and is added again; every epoch completes, and the learning
+rate follows the number of ranks."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import training_processes
 
 from .nodes import BIN, REPO
@@ -88,6 +91,10 @@ def test_elastic_run_survives_a_lost_host_and_takes_it_back(two_nodes, tiny_data
     assert [r["epoch"] for r in records if r["split"] == "train"] == list(range(EPOCHS))
     sizes = [r["world_size"] for r in records if r["split"] == "train"]
     assert 1 in sizes and sizes[-1] == 2, (sizes, output)
+    # The learning rate follows the number of ranks (linear scaling) after every reset.
+    peaks = {int(n): float(lr) for n, lr in re.findall(r"elastic: (\d) rank\(s\).*peak lr ([0-9.e-]+)",
+                                                           log.path.read_text(errors="replace"))}
+    assert set(peaks) == {1, 2} and peaks[1] == pytest.approx(peaks[2] / 2), peaks
     # Training metrics cover whole epochs, across resets (their sums are committed with the state).
     assert [r["samples"] for r in records if r["split"] == "train"] == [96] * EPOCHS, output
 
