@@ -16,6 +16,8 @@ import horovod.torch as hvd
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
+from .config import ConfigError
+
 Compression = hvd.Compression
 __all__ = ["HorovodInternalError", "ObjectState"]
 # Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
@@ -63,8 +65,6 @@ def apply_env_defaults(gpu: bool, elastic: bool = False) -> dict[str, str]:
 def check_elastic_env() -> None:
     """Refuse settings that Horovod Elastic cannot survive, before any worker starts training."""
     if ELASTIC_UNSAFE_ENV in os.environ:
-        from .config import ConfigError
-
         raise ConfigError(
             f"{ELASTIC_UNSAFE_ENV}={os.environ[ELASTIC_UNSAFE_ENV]} is set, and with elastic.enabled=true Horovod "
             "0.28.1 then loses its fusion threshold whenever workers re-initialize, so a worker that joins "

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import dist
-from .config import Config
+from .config import Config, ConfigError
 from .data import shutdown_workers
 from .engine import TrainState, train_one_epoch
 from .metrics import SUM_FIELDS, MetricSums, summarize
@@ -160,8 +160,6 @@ def outputs_for_this_rank(run: Run, outputs: list[Outputs]) -> Outputs:
 
 def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
     if cfg.data.synthetic:
-        from .config import ConfigError
-
         raise ConfigError("elastic.enabled=true needs a dataset (data.synthetic=false)")
     run = setup(cfg)
     samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
