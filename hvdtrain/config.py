@@ -30,6 +30,8 @@ class ModelConfig:
     """0 = the number of class folders in the dataset (1000 with synthetic data)."""
     sync_bn: bool = False
     """Replace BatchNorm with Horovod's SyncBatchNorm (statistics over the global batch)."""
+    dtype: Literal["float32", "float64"] = "float32"
+    """Parameter and activation dtype; float64 is for numerical checks (e.g. N ranks vs one rank), several times slower."""
 
 
 @dataclass
@@ -335,6 +337,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'optim.label_smoothing' must be below 1, got {cfg.optim.label_smoothing}")
     if not cfg.output.dir:
         raise ConfigError("config key 'output.dir' must not be empty")
+    if cfg.model.dtype == "float64" and cfg.amp.enabled:
+        raise ConfigError("model.dtype=float64 and amp.enabled=true exclude each other (set amp.enabled=false)")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -64,18 +64,20 @@ def eval_transform(data: DataConfig) -> transforms.Compose:
 
 
 class DeviceNormalizer:
-    """uint8 NCHW batch -> normalized float batch on the device, optionally channels_last."""
+    """uint8 NCHW batch -> normalized ``dtype`` batch on the device, optionally channels_last."""
 
-    def __init__(self, device: torch.device, channels_last: bool = False):
-        self.device = device
+    def __init__(self, device: torch.device, channels_last: bool = False, dtype: torch.dtype = torch.float32):
+        self.device, self.dtype = device, dtype
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device, dtype=dtype).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(IMAGENET_STD, device=device, dtype=dtype).view(1, 3, 1, 1) * 255
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True)
         if images.dtype == torch.uint8:
-            images = images.float().sub_(self.mean).div_(self.std)
+            images = images.to(self.dtype).sub_(self.mean).div_(self.std)
+        elif images.dtype != self.dtype:
+            images = images.to(self.dtype)
         return images.contiguous(memory_format=self.memory_format)
 
 

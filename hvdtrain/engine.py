@@ -163,7 +163,8 @@ def evaluate(state: TrainState, batches: Iterable[tuple[torch.Tensor, torch.Tens
         targets = targets.to(state.device, non_blocking=True)
         with state.autocast():
             logits = model(images)
-        loss = F.cross_entropy(logits.float(), targets)
+        # Half-precision logits (autocast) are scored in float32; float32 and float64 as they are.
+        loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
         sums.add(loss, logits, targets)
         if on_batch is not None:
             on_batch()

@@ -33,9 +33,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum):
         dims = _channel_dims(x)
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # half precision is computed in float32
         var, mean = torch.var_mean(xf, dim=dims, correction=0)
-        count = torch.tensor([float(xf.numel() // xf.shape[1])], dtype=torch.float32)
+        count = torch.tensor([float(xf.numel() // xf.shape[1])], dtype=xf.dtype)
         gathered = dist.allgather(torch.cat([count, mean.cpu(), var.cpu()]).unsqueeze(0),
                                   name="hvdtrain.sync_bn.stats").to(x.device)
         channels = mean.numel()
@@ -54,7 +54,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x_hat = (xf - global_mean.view(_shape(x))) * invstd.view(_shape(x))
         out = x_hat
         if weight is not None:
-            out = out * weight.float().view(_shape(x)) + bias.float().view(_shape(x))
+            out = out * weight.to(xf.dtype).view(_shape(x)) + bias.to(xf.dtype).view(_shape(x))
         ctx.save_for_backward(x_hat, invstd, weight, total)
         return out.to(x.dtype)
 
@@ -62,7 +62,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_hat, invstd, weight, total = ctx.saved_tensors
         dims = _channel_dims(grad_out)
-        dy = grad_out.float()
+        dy = grad_out.to(x_hat.dtype)
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * x_hat).sum(dims)
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
@@ -72,7 +72,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = sum_dy.numel()
         mean_dy = (sums[:channels] / total).view(_shape(dy))
         mean_dy_xhat = (sums[channels:] / total).view(_shape(dy))
-        scale = invstd if weight is None else invstd * weight.float()
+        scale = invstd if weight is None else invstd * weight.to(dy.dtype)
         grad_in = (dy - mean_dy - x_hat * mean_dy_xhat) * scale.view(_shape(dy))
         return grad_in.to(grad_out.dtype), grad_weight, grad_bias, None, None, None, None
 

@@ -123,7 +123,9 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
     if cfg.model.sync_bn:
         model = convert_sync_batchnorm(model, cuda=device.type == "cuda")
     channels_last = device.type == "cuda"
-    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    dtype = getattr(torch, cfg.model.dtype)
+    model = model.to(device, dtype=dtype,
+                     memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if cfg.runtime.compile:
         # Module.compile() compiles forward in place: parameter names and state-dict keys stay
         # unprefixed, so the optimizer, broadcasts and checkpoints are unchanged.
@@ -144,7 +146,7 @@ def setup(cfg: Config, resume_from: Path | None = None) -> Run:
         if amp_dtype == torch.float16:
             scaler = torch.amp.GradScaler(device.type)
     state = TrainState(model=model, optimizer=optimizer, scaler=scaler,
-                       normalize=DeviceNormalizer(device, channels_last=channels_last), device=device,
+                       normalize=DeviceNormalizer(device, channels_last=channels_last, dtype=dtype), device=device,
                        lr_schedule=schedule, amp_dtype=amp_dtype, label_smoothing=cfg.optim.label_smoothing,
                        clip_grad_norm=cfg.optim.clip_grad_norm, backward_passes_per_step=passes)
     run = Run(cfg=cfg, state=state, loaders=loaders, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
