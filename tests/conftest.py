@@ -88,7 +88,7 @@ def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180, lines:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """4 classes x 24 training images; 21 validation images (an odd count: uneven shards)."""
-    from hvdtrain.demo_data import draw, generate
+    from hvdtrain.data.demo import draw, generate
 
     import numpy as np
 

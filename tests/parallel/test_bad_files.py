@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from conftest import PROBE, launch
-from hvdtrain.demo_data import generate
+from hvdtrain.data.demo import generate
 
 
 def encoded(image: Image.Image, fmt: str) -> bytes:

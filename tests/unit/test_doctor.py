@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.doctor import (DoctorError, Host, bus_bandwidth, compare_hosts, parse_hosts, parse_sizes,
+from hvdtrain.tools.doctor import (DoctorError, Host, bus_bandwidth, compare_hosts, parse_hosts, parse_sizes,
                              read_hostfile)
 
 

@@ -15,12 +15,13 @@ import torch
 from PIL import Image
 from torchvision import datasets, transforms
 
-from hvdtrain.bench_data import photo
+from hvdtrain.tools.bench_data import photo
 from hvdtrain.config import DataConfig
-from hvdtrain.data import DataError, file_datasets
-from hvdtrain.file_index import build_index, cache_file
-from hvdtrain.folder_data import BadFileError, CountingLoader, collate
-from hvdtrain.imaging import BadImage, CenterCrop, TrainCrop, crop_params
+from hvdtrain.data import DataError
+from hvdtrain.tasks.image_classification import file_datasets
+from hvdtrain.data.file_index import build_index, cache_file
+from hvdtrain.data.image_folder import BadFileError, CountingLoader, collate
+from hvdtrain.data.decode import BadImage, CenterCrop, TrainCrop, crop_params
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from hvdtrain.data import SeededSamples, ShardedSampler, sample_seed
+from hvdtrain.data.sampler import SeededSamples, ShardedSampler, sample_seed
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

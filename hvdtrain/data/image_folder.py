@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .file_index import DataError
-from .imaging import BadImage, Transform, read_file
+from .decode import BadImage, Transform, read_file
 
 # A long run of undecodable files in index order means the data, not a few files, is broken.
 MAX_REPLACEMENTS = 64

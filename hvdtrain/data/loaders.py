@@ -1,0 +1,88 @@
+"""DataLoader plumbing shared by every task: worker set-up and shutdown, loader arguments, and
+the bundle of loaders a task hands to the trainer."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from torch.utils.data import DataLoader
+
+from ..config import DataConfig
+from .sampler import ShardedSampler
+
+def init_worker(worker_id: int, trainer_pid: int) -> None:
+    """Set up a loader worker.
+
+    Workers leave SIGTERM/SIGUSR1 to the training process, which stops at a step boundary and
+    checkpoints; a worker killed by the same signal would fail the next batch first. In exchange
+    a worker must not outlive the training process: forkserver workers are children of the fork
+    server, not of the trainer, so PyTorch's parent check does not see the trainer die.
+    """
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+    def exit_with_trainer() -> None:
+        while True:
+            time.sleep(2.0)
+            try:
+                os.kill(trainer_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=exit_with_trainer, name="hvdtrain-orphan-check", daemon=True).start()
+
+
+def shutdown_workers(*loaders: object) -> None:
+    """Stop persistent loader workers now rather than at interpreter exit."""
+    for loader in loaders:
+        loader = getattr(loader, "loader", loader)  # CountingLoader wraps a DataLoader
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+def loader_kwargs(data: DataConfig, pin_memory: bool) -> dict:
+    kwargs: dict = {"num_workers": data.workers, "pin_memory": pin_memory}
+    if data.workers > 0:
+        kwargs["worker_init_fn"] = functools.partial(init_worker, trainer_pid=os.getpid())
+        kwargs["persistent_workers"] = True
+        kwargs["prefetch_factor"] = data.prefetch_factor
+        # Forking a process that has initialized MPI/NCCL/CUDA is unsafe; forkserver forks from a
+        # clean server process instead (as Horovod's ImageNet example does).
+        if data.mp_context in multiprocessing.get_all_start_methods():
+            kwargs["multiprocessing_context"] = data.mp_context
+    return kwargs
+
+
+@dataclass
+class Loaders:
+    train: Sequence | DataLoader
+    val: Sequence | DataLoader
+    train_sampler: ShardedSampler | None
+    num_classes: int
+    train_size: int
+    val_size: int
+    index: Any = None  # the FileIndex of folder datasets, for the start-up line
+    val_sampler: ShardedSampler | None = None
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """After the number of ranks changed (elastic training)."""
+        for sampler in (self.train_sampler, self.val_sampler):
+            if sampler is not None:
+                sampler.rank, sampler.num_replicas = rank, world_size
+
+
+def index_cache_dir(data: DataConfig) -> Path | None:
+    from .demo import cache_root
+
+    return cache_root() if data.index_cache else None

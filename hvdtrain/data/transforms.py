@@ -1,0 +1,66 @@
+"""Image transforms: the augmentation and evaluation crops, and per-batch normalization on the device.
+
+Images leave the loader workers as uint8 tensors (a quarter of the bytes of float32 through the
+worker queues and the host-to-device copy); ``DeviceNormalizer`` converts and normalizes whole
+batches on the training device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchvision import transforms
+
+from ..config import DataConfig
+from .decode import CenterCrop, TrainCrop, Transform
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def val_resize_size(data: DataConfig) -> int:
+    return data.val_resize or int(round(data.image_size / 0.875))
+
+
+def fast_train_transform(data: DataConfig) -> Transform:
+    """Encoded bytes -> uint8 crop; the same augmentation as ``train_transform``, decoded faster."""
+    return TrainCrop(data.image_size) if data.augment else fast_eval_transform(data)
+
+
+def fast_eval_transform(data: DataConfig) -> Transform:
+    return CenterCrop(data.image_size, val_resize_size(data))
+
+
+def train_transform(data: DataConfig) -> transforms.Compose:
+    if not data.augment:
+        return eval_transform(data)
+    return transforms.Compose([
+        transforms.RandomResizedCrop(data.image_size),
+        transforms.RandomHorizontalFlip(),
+        transforms.PILToTensor(),
+    ])
+
+
+def eval_transform(data: DataConfig) -> transforms.Compose:
+    return transforms.Compose([
+        transforms.Resize(val_resize_size(data)),
+        transforms.CenterCrop(data.image_size),
+        transforms.PILToTensor(),
+    ])
+
+
+class DeviceNormalizer:
+    """uint8 NCHW batch -> normalized ``dtype`` batch on the device, optionally channels_last."""
+
+    def __init__(self, device: torch.device, channels_last: bool = False, dtype: torch.dtype = torch.float32):
+        self.device, self.dtype = device, dtype
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device, dtype=dtype).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(IMAGENET_STD, device=device, dtype=dtype).view(1, 3, 1, 1) * 255
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(self.device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = images.to(self.dtype).sub_(self.mean).div_(self.std)
+        elif images.dtype != self.dtype:
+            images = images.to(self.dtype)
+        return images.contiguous(memory_format=self.memory_format)

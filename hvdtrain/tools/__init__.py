@@ -1,0 +1,1 @@
+"""Command-line tools that training never imports: bench, bench-data, doctor, report."""
