@@ -12,16 +12,15 @@ links to a numbered file where the file system allows it, so each checkpoint is 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
+FORMAT = 3  # 3: RunState.state_dict() + "ranks"; 2: "rng" and "rank_buffers" lists, "best_top1"
 NUMBERED = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -114,6 +113,26 @@ def load(path: Path) -> dict[str, Any]:
     if not isinstance(payload, dict) or any(key not in payload for key in REQUIRED_KEYS):
         raise CheckpointError(f"checkpoint '{path}' is not an hvdtrain checkpoint "
                               f"(needs keys {', '.join(REQUIRED_KEYS)})")
+    if int(payload.get("format", 2)) > FORMAT:
+        raise CheckpointError(f"checkpoint '{path}' has format {payload['format']}, newer than this hvdtrain "
+                              f"reads ({FORMAT}); upgrade hvdtrain")
+    return upgrade(payload)
+
+
+def upgrade(payload: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of an older format, in the current one (a new dict; the file is unchanged)."""
+    version = int(payload.get("format", 2))
+    if version >= FORMAT:
+        return payload
+    payload = dict(payload)
+    # Format 2 (image classification only) kept the best top-1 under its own name and the per-rank
+    # random states and buffers in two parallel lists.
+    payload["best_metric"] = payload.pop("best_top1", None)
+    rng = payload.pop("rng", None) or []
+    buffers = payload.pop("rank_buffers", None) or [None] * len(rng)
+    payload["ranks"] = [{"rng": generators, "buffers": own} for generators, own in zip(rng, buffers)]
+    payload.setdefault("task", {"name": "image_classification"})
+    payload["format"] = FORMAT
     return payload
 
 
@@ -142,28 +161,3 @@ def load_for_resume(resume: str, directory: Path,
         raise CheckpointError(f"no readable checkpoint in '{directory}' (tried {len(candidates)}); "
                               f"set checkpoint.resume=never to start over")
     return None
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators, in weights_only-loadable form."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
-                         numpy["has_gauss"], numpy["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

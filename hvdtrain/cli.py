@@ -1,36 +1,63 @@
-"""Command line: ``python -m hvdtrain [train] [--config FILE] [key=value ...]``.
+"""Command line: ``python -m hvdtrain [COMMAND] [ARGS ...]``; ``python -m hvdtrain --help`` lists them.
 
-Other subcommands are dispatched by name; ``train`` is the default.
+``train`` is the default: arguments that do not start with a command name are train arguments
+(``--config FILE``, ``key=value`` overrides). Only light modules are imported here, so that help
+and one-line usage errors come at once; torch and Horovod are imported by the command that runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import os
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from . import checkpoint
-from .checkpoint import CheckpointError
-from .config import ConfigError, apply_override, dump_yaml, from_dict, load_config, validate
+from .config import (PACKAGED_CONFIGS, Config, ConfigError, apply_override, dump_yaml, from_dict, load_config,
+                     validate)
 from .data import DataError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+CONFIG_DOC = "docs/config.md"
+"""The config reference (every key, its type, default and meaning), in the hvdtrain repository."""
+
+
+class UsageError(Exception):
+    """A command line hvdtrain cannot make sense of, phrased as one line for the user."""
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix: reported in one line, without a traceback.
+
+    CheckpointError is imported only once something failed: its module imports torch.
+    """
+    from .checkpoint import CheckpointError
+
+    return (UsageError, ConfigError, DataError, CheckpointError)
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher set it (before Horovod is initialized)."""
-    for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if key in os.environ:
-            try:
-                return int(os.environ[key])
-            except ValueError:
-                pass
-    return 0
+    """This process's rank (as the launcher set it, before Horovod is initialized).
+
+    ``dist`` imports torch and Horovod, so it is imported only when a rank is asked for.
+    """
+    from . import dist
+
+    return dist.rank()
+
+
+def run_training(cfg: Config):
+    """The loop this config asks for: the elastic one under ``elastic.enabled``, else the static one.
+    Returns the run and its last epoch's metrics."""
+    if cfg.elastic.enabled:
+        from .elastic import train_elastic
+
+        return train_elastic(cfg)
+    from .trainer import train
+
+    return train(cfg)
 
 
 def report_error(error: Exception) -> int:
@@ -52,12 +79,29 @@ def report_error(error: Exception) -> int:
 def train_parser(prog: str = "hvdtrain") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Distributed ImageNet-style training with Horovod.",
-        epilog="Overrides are dotted keys, e.g. train.epochs=3 data.dir=/data/imagenet optim.base_lr=0.1")
+        epilog="Overrides are dotted keys, e.g. train.epochs=3 data.dir=/data/imagenet optim.base_lr=0.1. "
+        f"Every key, its type, default and meaning: {CONFIG_DOC}. Without --config, set data.dir (or "
+        "data.synthetic=true); --config demo runs the built-in demo.")
     parser.add_argument("--config", "-c", help="YAML config file, or the name of a shipped one (debug, demo, "
                         "imagenet_resnet50)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser
+
+
+def require_data_choice(config_file: str | None, cfg: Config) -> None:
+    """Stop a run that chose no data before it starts.
+
+    The defaults alone are the ImageNet recipe (ResNet-50, 90 epochs) on the built-in demo
+    images: hours of training nobody wants, which is what a bare ``python -m hvdtrain`` would
+    start. A config file counts as a choice even when it leaves data.dir empty (the demo config
+    does, on purpose); an empty data.dir override alone does not (``data.dir=$UNSET_VARIABLE``).
+    """
+    if config_file or cfg.data.dir or cfg.data.synthetic:
+        return
+    raise UsageError("no data chosen: add --config demo (the built-in demo) or --config imagenet_resnet50 "
+                     "data.dir=/path/to/imagenet (your data); without either this would train ResNet-50 for "
+                     "90 epochs on the demo images")
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -67,10 +111,11 @@ def cmd_train(argv: list[str]) -> int:
         if launcher_rank() == 0:
             print(dump_yaml(cfg), end="")
         return 0
-    from .trainer import LostRank, Preempted, train  # imports Horovod: keep --print-config fast
+    require_data_choice(args.config, cfg)
+    from .run import LostRank, Preempted  # imports Horovod: keep --print-config fast
 
     try:
-        train(cfg)
+        run_training(cfg)
     except Preempted as stop:
         return stop.exit_code
     except LostRank as lost:
@@ -88,12 +133,14 @@ def cmd_evaluate(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file, e.g. runs/x/checkpoints/last.pt")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
+    from . import checkpoint  # imports torch: after the arguments are checked
+
     path = Path(args.checkpoint)
     cfg = from_dict(checkpoint.load(path)["config"])
     for override in args.overrides:
         apply_override(cfg, override)
     validate(cfg)
-    from .trainer import evaluate_checkpoint
+    from .run import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(cfg, path)
     if launcher_rank() == 0:
@@ -102,7 +149,7 @@ def cmd_evaluate(argv: list[str]) -> int:
 
 
 def cmd_doctor(argv: list[str]) -> int:
-    from . import doctor
+    from .tools import doctor
 
     try:
         return doctor.main(argv)
@@ -112,19 +159,19 @@ def cmd_doctor(argv: list[str]) -> int:
 
 
 def cmd_bench_data(argv: list[str]) -> int:
-    from .bench_data import main as bench_data_main
+    from .tools.bench_data import main as bench_data_main
 
     return bench_data_main(argv)
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from .bench import cmd_bench as run
+    from .tools.bench import cmd_bench as run
 
     return run(argv)
 
 
 def cmd_report(argv: list[str]) -> int:
-    from .report import cmd_report as run
+    from .tools.report import cmd_report as run
 
     return run(argv)
 
@@ -135,17 +182,106 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+SUMMARIES: dict[str, str] = {
+    "train": "train a model (the default command)",
+    "evaluate": "validation loss, top-1 and top-5 of a checkpoint, as one JSON line",
+    "bench": "training throughput of the real training step on synthetic data",
+    "bench-data": "images per second of the training input pipeline alone",
+    "report": "PNG plots and a text summary of a run's metrics.jsonl",
+    "doctor": "check that hosts can train together (ssh, versions, Horovod build) and time allreduce",
+}
+HELP_WORDS = ("-h", "--help", "help")
+
+
+def overview() -> str:
+    """The text of ``python -m hvdtrain --help``: every command, then how to train."""
+    width = max(map(len, COMMANDS))
+    commands = "\n".join(f"  {name:<{width}}  {SUMMARIES[name]}" for name in COMMANDS)
+    shipped = ", ".join(sorted(path.stem for path in PACKAGED_CONFIGS.glob("*.yaml")))
+    return f"""usage: python -m hvdtrain [COMMAND] [ARGS ...]
+
+Distributed ImageNet-style training with Horovod: one process alone, or one per GPU or CPU slot
+under horovodrun or mpirun.
+
+commands (train is the default: it runs when the first argument is not a command):
+{commands}
+
+train:
+  python -m hvdtrain [train] [--config FILE] [--print-config] [key=value ...]
+  --config, -c FILE  YAML config file, or the name of a shipped one ({shipped})
+  --print-config     print the resolved config and exit
+  key=value          override one config key, e.g. train.epochs=3 data.dir=/data/imagenet
+  Without --config, name the data with data.dir=... (or data.synthetic=true).
+
+examples:
+  python -m hvdtrain --config demo                    # the built-in demo: resnet18, a few minutes on CPU
+  python -m hvdtrain --config imagenet_resnet50 data.dir=/data/imagenet
+  horovodrun -np 4 -H localhost:4 python -m hvdtrain --config demo train.epochs=2
+  python -m hvdtrain --config demo --print-config     # the resolved config, nothing run
+
+Every config key, its type, default and meaning: {CONFIG_DOC}
+A command's own options: python -m hvdtrain COMMAND --help (or python -m hvdtrain help COMMAND)
+"""
+
+
+def cmd_help(argv: list[str]) -> int:
+    """``help`` alone prints the overview; ``help COMMAND`` that command's own ``--help``."""
+    if not argv:
+        print(overview(), end="")
+        return 0
+    if argv[0] not in COMMANDS:
+        raise UsageError(unknown_command(argv[0]))
+    try:
+        return COMMANDS[argv[0]](["--help"])
+    except SystemExit as done:  # argparse exits after printing the help
+        return done.code if isinstance(done.code, int) else 0
+
+
+def unknown_command(word: str) -> str:
+    """One line for a word that is no command, with the nearest command or config to use instead."""
+    if (PACKAGED_CONFIGS / f"{word}.yaml").is_file():  # 'python -m hvdtrain demo'
+        return f"unknown command '{word}' (did you mean '--config {word}'?)"
+    close = difflib.get_close_matches(word, list(COMMANDS) + ["help"], n=1, cutoff=0.6)
+    if close:
+        return f"unknown command '{word}' (did you mean '{close[0]}'?)"
+    return f"unknown command '{word}' (commands: {', '.join(COMMANDS)}; see python -m hvdtrain --help)"
+
+
+def looks_like_command(word: str) -> bool:
+    """Whether a first argument that is no command was meant as one.
+
+    Train arguments come without a command name, so only a bare word can be a mistyped command:
+    options start with '-', overrides hold '=' and config keys and file names hold '.' or '/'
+    (a key without '=' gets the override's own error, which says more than 'unknown command').
+    """
+    return bool(word) and not word.startswith("-") and not any(mark in word for mark in "=./")
+
+
+def pick_command(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]]:
+    """The command to run and its arguments; train when the first argument names none."""
+    if not argv:
+        return cmd_train, []
+    first, rest = argv[0], argv[1:]
+    if first in COMMANDS:
+        return COMMANDS[first], rest
+    if first in HELP_WORDS:
+        return cmd_help, rest
+    if looks_like_command(first):
+        raise UsageError(unknown_command(first))
+    return cmd_train, argv
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = cmd_train
-    if argv and argv[0] in COMMANDS:
-        command = COMMANDS[argv.pop(0)]
     try:
-        return command(argv)
-    except USER_ERRORS as error:
-        return report_error(error)
+        command, args = pick_command(argv)
+        return command(args)
     except KeyboardInterrupt:
         return 130
+    except Exception as error:
+        if isinstance(error, user_errors()):
+            return report_error(error)
+        raise
 
 
 if __name__ == "__main__":

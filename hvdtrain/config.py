@@ -8,6 +8,7 @@ key and what would have been valid.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,8 @@ class ElasticConfig:
 
 @dataclass
 class Config:
+    task: str = "image_classification"
+    """The workload (hvdtrain/tasks): image_classification, or module:Class of your own task."""
     seed: int = 0
     """Seeds model initialization and the per-epoch shuffle (seed + epoch)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -236,7 +239,8 @@ def _set(cfg: Any, dotted: str, value: Any, from_text: bool) -> None:
         prefix = ".".join(parts[:depth])
         if name not in types:
             where = f" in '{prefix}'" if prefix else ""
-            raise ConfigError(f"unknown config key '{dotted}' (valid keys{where}: {', '.join(sorted(types))})")
+            raise ConfigError(f"unknown config key '{dotted}' (valid keys{where}: {', '.join(sorted(types))})"
+                              + _did_you_mean(dotted))
         tp = types[name]
         last = depth == len(parts) - 1
         if dataclasses.is_dataclass(tp):
@@ -253,6 +257,42 @@ def _set(cfg: Any, dotted: str, value: Any, from_text: bool) -> None:
             setattr(node, name, _coerce(dotted, value, tp, from_text))
 
 
+def _all_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key, sections included ('train' and 'train.epochs'), in declaration order."""
+    keys = []
+    for name, tp in _field_types(cls or Config).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            keys += _all_keys(tp, f"{prefix}{name}.")
+    return keys
+
+
+def suggest_keys(dotted: str, limit: int = 2) -> list[str]:
+    """The valid keys nearest to a mistyped one, best first; empty when none is near.
+
+    A right key in the wrong section or without its section ('train.base_lr', 'batch_size') is
+    found by its last part. Otherwise the whole dotted key is compared with the keys of as many
+    parts, so that a typo in the section ('trian.epochs') is found as well as one in the key
+    ('train.epoch'). Only matches about as close as the best are kept: a list of far guesses
+    would hide the one that helps.
+    """
+    keys = [key for key in _all_keys() if key != dotted]
+    leaf = dotted.rsplit(".", 1)[-1]
+    same_leaf = [key for key in keys if key.rsplit(".", 1)[-1] == leaf]
+    same_depth = [key for key in keys if key.count(".") == dotted.count(".")]
+    scored = sorted(((difflib.SequenceMatcher(None, dotted, key).ratio(), key) for key in same_depth),
+                    reverse=True)
+    best = scored[0][0] if scored else 0.0
+    close = [key for score, key in scored if score >= 0.7 and score >= best - 0.1]
+    return list(dict.fromkeys(same_leaf + close))[:limit]
+
+
+def _did_you_mean(dotted: str) -> str:
+    """'; did you mean 'a'?' for an unknown key, or nothing when no valid key is near."""
+    found = suggest_keys(dotted)
+    return f"; did you mean {' or '.join(repr(key) for key in found)}?" if found else ""
+
+
 def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") -> None:
     """Apply a nested mapping (as read from YAML) onto ``cfg``."""
     if mapping is None:
@@ -266,7 +306,9 @@ def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") 
 def apply_override(cfg: Config, text: str) -> None:
     """Apply one ``section.key=value`` override from the command line."""
     if "=" not in text:
-        raise ConfigError(f"override '{text}' is not of the form section.key=value")
+        # A config file given without --config lands here: say how to give it.
+        hint = f" (to read a config file, use --config {text})" if text.endswith((".yaml", ".yml")) else ""
+        raise ConfigError(f"override '{text}' is not of the form section.key=value{hint}")
     key, value = text.split("=", 1)
     _set(cfg, key.strip(), value.strip(), from_text=True)
 

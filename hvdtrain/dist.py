@@ -1,25 +1,37 @@
 """The one module that talks to Horovod.
 
-Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_object(x)``,
+Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_state(s)``,
 never ``hvd`` directly. Every collective here is correct at world size 1 as well, so the same
-code path runs a single process (no launcher) and a thousand ranks.
+code path runs a single process (no launcher) and a thousand ranks. ``rank()``, ``size()`` and
+``local_rank()`` also answer before ``init()``, from the launcher's environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 import horovod.torch as hvd
-from horovod.common.elastic import ObjectState
+from horovod.common.elastic import State as ElasticStateBase
 from horovod.common.exceptions import HorovodInternalError
+from horovod.torch.optimizer import _DistributedAdasumOptimizer, _DistributedOptimizer
 
 from .config import ConfigError
 
 Compression = hvd.Compression
-__all__ = ["HorovodInternalError", "ObjectState"]
+__all__ = ["HorovodInternalError", "ElasticStateBase"]
+# hvd.DistributedOptimizer builds a new class from the wrapped optimizer's class and a copy of one
+# of these classes' methods (it is not a subclass of them): their synchronize() marks it.
+_SYNCHRONIZE_METHODS = (_DistributedOptimizer.synchronize, _DistributedAdasumOptimizer.synchronize)
+
+# The variables launchers set, first match wins: horovodrun, Open MPI's mpirun, PMIx (srun
+# --mpi=pmix), MPICH/PMI, Slurm.
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARIABLES = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 # Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
 CudaSyncBatchNorm = hvd.SyncBatchNorm
 
@@ -88,16 +100,30 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
         hvd.init()
 
 
+def _from_launcher(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return default
+
+
+def initialized() -> bool:
+    return bool(hvd.is_initialized())
+
+
 def rank() -> int:
-    return hvd.rank()
+    """This process's rank; before ``init()``, as the launcher set it (0 without a launcher)."""
+    return hvd.rank() if initialized() else _from_launcher(RANK_VARIABLES, 0)
 
 
 def size() -> int:
-    return hvd.size()
+    return hvd.size() if initialized() else _from_launcher(SIZE_VARIABLES, 1)
 
 
 def local_rank() -> int:
-    return hvd.local_rank()
+    return hvd.local_rank() if initialized() else _from_launcher(LOCAL_RANK_VARIABLES, 0)
 
 
 def local_size() -> int:
@@ -110,7 +136,7 @@ def cross_size() -> int:
 
 
 def is_primary() -> bool:
-    return hvd.rank() == 0
+    return rank() == 0
 
 
 def controller() -> str:
@@ -160,9 +186,53 @@ def barrier() -> None:
     hvd.barrier()
 
 
-def broadcast_model(model: torch.nn.Module, root_rank: int = 0) -> None:
-    """Parameters and buffers (BatchNorm statistics included) from ``root_rank``, in place."""
-    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+@contextlib.contextmanager
+def local_rank_zero_first() -> Iterator[None]:
+    """Run the block on local rank 0 of every host first, then on the other ranks (e.g. one process
+    per host prepares a dataset that the others then find in place). Every rank must enter it."""
+    if not initialized() or size() == 1:
+        yield
+        return
+    if local_rank() != 0:
+        barrier()
+    yield
+    if local_rank() == 0:
+        barrier()
+
+
+def broadcast_state(state: Any, root_rank: int = 0) -> None:
+    """Make every rank's ``state`` equal to ``root_rank``'s.
+
+    ``state`` has ``state_dict(exclude=...)`` / ``load_state_dict(d, exclude=...)`` and a ``model``
+    (state.RunState): the model's tensors go by Horovod's tensor broadcast, in place; everything
+    else (optimizer, GradScaler, position, registered components) as one object.
+
+    The optimizer state is never sent with Horovod's ``broadcast_optimizer_state``: that initializes
+    an empty state with a zero-gradient ``step()``, which applies weight decay to the parameters.
+    """
+    hvd.broadcast_parameters(state.model.state_dict(), root_rank=root_rank)
+    rest = state.state_dict(exclude=("model",)) if rank() == root_rank else None
+    rest = hvd.broadcast_object(rest, root_rank=root_rank, name="hvdtrain.state")
+    if rank() != root_rank:
+        state.load_state_dict(rest, exclude=("model",))
+
+
+def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` came from ``distributed_optimizer`` (allreduces its gradients)."""
+    return type(optimizer).__dict__.get("synchronize") in _SYNCHRONIZE_METHODS
+
+
+def synchronize(optimizer: torch.optim.Optimizer) -> None:
+    """Wait for the gradient allreduce of a distributed optimizer (nothing for a plain optimizer)."""
+    if is_distributed(optimizer):
+        optimizer.synchronize()
+
+
+def skip_synchronize(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    """Around ``step()`` after ``synchronize``: step without allreducing a second time."""
+    if is_distributed(optimizer):
+        return optimizer.skip_synchronize()
+    return contextlib.nullcontext()
 
 
 def average_buffers(model: torch.nn.Module) -> None:
@@ -174,19 +244,6 @@ def average_buffers(model: torch.nn.Module) -> None:
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     if size() > 1 and buffers:
         hvd.grouped_allreduce_(buffers, op=hvd.Average, name="average_buffers")
-
-
-def broadcast_optimizer(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
-    """Optimizer state and hyper-parameters from ``root_rank``.
-
-    Horovod's ``broadcast_optimizer_state`` initializes an empty state with a zero-gradient
-    ``step()``, which applies weight decay to the parameters; sending the state dict as an
-    object avoids touching the parameters at all.
-    """
-    state = hvd.broadcast_object(optimizer.state_dict() if is_primary() else None, root_rank=root_rank,
-                                 name="optimizer_state")
-    if not is_primary():
-        optimizer.load_state_dict(state)
 
 
 def distributed_optimizer(
@@ -214,9 +271,7 @@ def elastic_run(func):
 
 def launcher_env() -> dict[str, str]:
     """The rank variables the launcher set, for diagnostics (horovodrun, mpirun or srun)."""
-    keys = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_RANK", "SLURM_PROCID",
-            "SLURM_NTASKS", "SLURM_LOCALID")
+    keys = RANK_VARIABLES + SIZE_VARIABLES + LOCAL_RANK_VARIABLES
     return {key: os.environ[key] for key in keys if key in os.environ}
 
 

@@ -3,9 +3,9 @@
 Launched as ``horovodrun -np N --min-np M --max-np K --host-discovery-script SCRIPT python -m
 hvdtrain elastic.enabled=true ...``. The training loop runs inside Horovod Elastic's retry loop:
 
-* every ``elastic.commit_every_steps`` steps and at each epoch end the state is committed to host
-  memory: model, optimizer, GradScaler, and the position (epoch, global step, samples consumed in
-  the epoch);
+* every ``elastic.commit_every_steps`` steps and at each epoch end the run's state (state.RunState:
+  model, optimizer, GradScaler, position, best metric, registered components) is committed to
+  host memory;
 * when a worker fails, the others roll back to the last commit; when hosts are added or removed,
   Horovod re-forms the job; either way rank 0 then sends its committed state to every rank,
   newcomers included, and the loop continues;
@@ -17,9 +17,9 @@ hvdtrain elastic.enabled=true ...``. The training loop runs inside Horovod Elast
 * the epoch's training loss and accuracy sums are committed too (summed over ranks at each commit),
   so an epoch interrupted by a reset still reports all of its committed steps.
 
-Horovod's own ``TorchState`` is not used for the optimizer: its ``broadcast_optimizer_state``
-initializes a newcomer's empty state with a zero-gradient step, which applies weight decay to the
-newcomer's parameters.
+Horovod's own ``TorchState`` is not used: its ``broadcast_optimizer_state`` initializes a
+newcomer's empty state with a zero-gradient step, which applies weight decay to the newcomer's
+parameters. ``ElasticState`` goes through the run state's protocol and ``dist.broadcast_state``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ import torch
 
 from . import dist
 from .config import Config, ConfigError
-from .data import shutdown_workers
-from .engine import TrainState, train_one_epoch
-from .metrics import SUM_FIELDS, MetricSums, summarize
+from .data.loaders import shutdown_workers
+from .engine import train_one_epoch
+from .metrics import MetricSums
 from .optim import LRSchedule
 from .preemption import StopRequest
-from .trainer import Outputs, Run, end_epoch, log, setup, stop_for_preemption
+from .run import Outputs, Run, end_epoch, log, resume_locally, setup, stop_for_preemption
+from .state import RunState
 
 
 class SampleLog:
@@ -81,48 +82,38 @@ class SampleLog:
         self.pending = []
 
 
-class ElasticState(dist.ObjectState):
-    """Model, optimizer, GradScaler and progress: committed in memory, synced from rank 0."""
+class ElasticState(dist.ElasticStateBase):
+    """The run's state, committed in memory and synced from rank 0, with the epoch's committed
+    training metric sums (summed over ranks at each commit, so that an epoch interrupted by a reset
+    still reports all of its committed steps)."""
 
-    def __init__(self, run: Run, samples: SampleLog | None):
-        self._run = run
-        self._samples = samples
-        self._saved = self._snapshot()
-        state = run.state
-        super().__init__(bcast_object=dist.broadcast_object, get_rank=dist.rank, epoch=state.epoch,
-                         step=state.step, samples_in_epoch=state.step_in_epoch * run.global_batch,
-                         best_top1=run.best_top1, train_sums=[0.0] * len(SUM_FIELDS))
+    def __init__(self, state: RunState, sum_width: int, samples: SampleLog | None = None):
+        super().__init__(bcast_object=dist.broadcast_object, get_rank=dist.rank)
+        self.state = state
+        self.samples = samples
+        self.train_sums = torch.zeros(sum_width, dtype=torch.float64)
+        self.saved = self.snapshot()
 
-    def _snapshot(self) -> dict[str, Any]:
-        state = self._run.state
-        return {"model": {k: v.detach().clone() for k, v in state.model.state_dict().items()},
-                "optimizer": copy.deepcopy(state.optimizer.state_dict()),
-                "scaler": state.scaler.state_dict() if state.scaler is not None else None}
+    def snapshot(self) -> dict[str, Any]:
+        return copy.deepcopy({"state": self.state.state_dict(), "train_sums": self.train_sums})
 
     def save(self) -> None:
         # The collective first: if a peer is lost during it, nothing here has changed yet.
-        if self._samples is not None:
-            self._samples.commit()
-        self._saved = self._snapshot()
-        super().save()
+        if self.samples is not None:
+            self.samples.commit()
+        self.saved = self.snapshot()
 
     def restore(self) -> None:
-        state = self._run.state
-        state.model.load_state_dict(self._saved["model"])
-        state.optimizer.load_state_dict(self._saved["optimizer"])
-        if state.scaler is not None:
-            state.scaler.load_state_dict(self._saved["scaler"])
-        if self._samples is not None:
-            self._samples.discard()
-        super().restore()
+        saved = copy.deepcopy(self.saved)
+        self.state.load_state_dict(saved["state"])
+        self.train_sums = saved["train_sums"]
+        if self.samples is not None:
+            self.samples.discard()
 
     def sync(self) -> None:
-        state = self._run.state
-        dist.broadcast_model(state.model)
-        dist.broadcast_optimizer(state.optimizer)
-        if state.scaler is not None:
-            state.scaler.load_state_dict(dist.broadcast_object(state.scaler.state_dict(), name="scaler_state"))
-        super().sync()
+        dist.broadcast_state(self.state)
+        self.train_sums = dist.broadcast_object(self.train_sums, name="hvdtrain.elastic.train_sums")
+        self.saved = self.snapshot()
 
 
 def epoch_steps(cfg: Config, images: int, global_batch: int) -> int:
@@ -143,9 +134,9 @@ def reconfigure(run: Run) -> int:
     if cfg.train.steps_per_epoch:
         steps = min(steps, cfg.train.steps_per_epoch)
     run.steps_per_epoch = steps
-    run.state.lr_schedule = LRSchedule.from_config(cfg.optim, run.global_batch, cfg.train.epochs, steps)
+    run.settings.lr_schedule = LRSchedule.from_config(cfg.optim, run.global_batch, cfg.train.epochs, steps)
     log(f"hvdtrain: elastic: {size} rank(s) on {dist.cross_size()} host(s); global batch {run.global_batch}, "
-        f"{steps} steps/epoch, peak lr {run.state.lr_schedule.peak_lr:.4g}")
+        f"{steps} steps/epoch, peak lr {run.settings.lr_schedule.peak_lr:.4g}")
     return steps
 
 
@@ -162,8 +153,9 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
     if cfg.data.synthetic:
         raise ConfigError("elastic.enabled=true needs a dataset (data.synthetic=false)")
     run = setup(cfg)
+    resume_locally(run)
     samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
-    elastic_state = ElasticState(run, samples)
+    elastic_state = ElasticState(run.state, len(run.task.sum_fields), samples)
     stop = StopRequest()
     outputs: list[Outputs] = []
     last: dict[str, Any] = {}
@@ -171,45 +163,40 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
     @dist.elastic_run
     def loop(es: ElasticState) -> None:
         nonlocal last
-        state, loaders = run.state, run.loaders
+        state, loaders, position = run.state, run.loaders, run.state.position
         full_steps = reconfigure(run)
         out = outputs_for_this_rank(run, outputs)
-        run.best_top1 = es.best_top1
-        while es.epoch < cfg.train.epochs:
-            state.epoch, state.step = es.epoch, es.step
-            state.step_in_epoch = es.samples_in_epoch // run.global_batch
-            remaining = epoch_steps(cfg, loaders.train_size - es.samples_in_epoch, run.global_batch)
-            steps = min(state.step_in_epoch + remaining, full_steps)
-            loaders.train_sampler.set_epoch(es.epoch, start=es.samples_in_epoch)
+        while position.epoch < cfg.train.epochs:
+            position.step_in_epoch = position.samples_in_epoch // run.global_batch
+            remaining = epoch_steps(cfg, loaders.train_size - position.samples_in_epoch, run.global_batch)
+            steps = min(position.step_in_epoch + remaining, full_steps)
+            loaders.train_sampler.set_epoch(position.epoch, start=position.samples_in_epoch)
             if samples is not None:
                 samples.start(loaders.train_sampler.indices())
 
-            # Loss and accuracy sums of the epoch's committed steps (global), and this call's own (local).
-            committed_before = torch.tensor(es.train_sums, dtype=torch.float64)
-            sums = MetricSums()
+            # Metric sums of the epoch's committed steps (global), and this call's own (local).
+            committed_before = es.train_sums.clone()
+            sums = MetricSums(len(run.task.sum_fields))
 
             def epoch_sums() -> torch.Tensor:
                 return committed_before + dist.allreduce_sum(sums.local(), name="hvdtrain.elastic.train_sums")
 
-            def after_step(state: TrainState) -> None:
-                consumed = min(run.global_batch, loaders.train_size - es.samples_in_epoch)
-                es.samples_in_epoch += consumed
-                es.step = state.step
+            def after_step(state: RunState) -> None:
+                position.samples_in_epoch += min(run.global_batch, loaders.train_size - position.samples_in_epoch)
                 if samples is not None:
-                    samples.record(state.epoch, state.step, run.global_batch // dist.size())
-                if state.step % cfg.elastic.commit_every_steps == 0:
-                    es.train_sums = epoch_sums().tolist()
+                    samples.record(position.epoch, position.step, run.global_batch // dist.size())
+                if position.step % cfg.elastic.commit_every_steps == 0:
+                    es.train_sums = epoch_sums()
                     es.commit()
 
-            train_metrics = train_one_epoch(state, loaders.train, steps, dist.allreduce_sum, on_step=after_step,
-                                            should_stop=stop.agreed, sums=sums)
-            train_metrics.update(summarize(epoch_sums()))  # the whole epoch, across resets
+            train_metrics = train_one_epoch(state, run.settings, loaders.train, steps, dist.allreduce_sum,
+                                            on_step=after_step, should_stop=stop.agreed, sums=sums)
+            train_metrics.update(run.task.summarize(epoch_sums()))  # the whole epoch, across resets
             if train_metrics["stopped"]:
                 stop_for_preemption(run, out, stop, steps)
             train_metrics["world_size"] = dist.size()
-            last = end_epoch(run, out, es.epoch, train_metrics, watch=False)
-            es.epoch, es.samples_in_epoch, es.step, es.best_top1 = es.epoch + 1, 0, state.step, run.best_top1
-            es.train_sums = [0.0] * len(SUM_FIELDS)
+            last = end_epoch(run, out, position.epoch, train_metrics, watch=False)
+            es.train_sums = torch.zeros_like(es.train_sums)
             es.commit()
 
     try:
@@ -220,4 +207,3 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
         for out in outputs:
             out.close()
     return run, last
-

@@ -10,13 +10,17 @@ class folder. Adding, removing or renaming a file directly in a class folder cha
 folder's mtime, so the index is rebuilt. Not noticed: changes only inside nested subfolders of
 a class folder, and a file's contents rewritten in place (the index holds names, not contents);
 delete the cache file or set ``data.index_cache=false`` after such changes.
+
+The cache file is JSON (like checkpoints, it never unpickles anything): a file that does not
+parse, or that holds another format (e.g. the pickles of hvdtrain-file-index-v1), is a cache miss
+and is rewritten, never an error.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,7 @@ from typing import Any, Callable
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val")
-FORMAT = "hvdtrain-file-index-v1"
+FORMAT = "hvdtrain-file-index-v2"
 
 
 class DataError(ValueError):
@@ -111,30 +115,52 @@ def cache_key(root: Path) -> str:
 
 def cache_file(root: Path, cache_dir: Path) -> Path:
     name = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:20]
-    return cache_dir / "file-index" / f"{name}.pkl"
+    return cache_dir / "file-index" / f"{name}.json"
+
+
+def split_from_json(data: Any) -> SplitIndex | None:
+    """A SplitIndex from its JSON form, or None where anything is missing or mistyped."""
+    if not isinstance(data, dict):
+        return None
+    classes, paths, labels = data.get("classes"), data.get("paths"), data.get("labels")
+    if not (isinstance(classes, list) and isinstance(paths, list) and isinstance(labels, list)
+            and len(paths) == len(labels) and all(isinstance(c, str) for c in classes)
+            and all(isinstance(p, str) for p in paths)
+            and all(type(label) is int and 0 <= label < len(classes) for label in labels)):
+        return None
+    return SplitIndex(classes, paths, labels)
 
 
 def load_cached(path: Path, key: str) -> FileIndex | None:
+    """The cached index when ``path`` holds this format and ``key``; None (a miss) otherwise."""
     try:
-        with path.open("rb") as handle:
-            payload = pickle.load(handle)
-    except (OSError, pickle.PickleError, EOFError, AttributeError, ValueError):
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("key") != key:
         return None
-    return payload["index"]
+    root, train, val = payload.get("root"), split_from_json(payload.get("train")), split_from_json(payload.get("val"))
+    if not isinstance(root, str) or train is None or val is None:
+        return None
+    return FileIndex(root, train, val)
 
 
 def write_cache(path: Path, key: str, index: FileIndex) -> None:
     """Atomically (a reader sees the old file or the new one); a read-only cache is not an error."""
+    payload = {"format": FORMAT, "key": key, "root": index.root,
+               "train": {"classes": index.train.classes, "paths": index.train.paths, "labels": index.train.labels},
+               "val": {"classes": index.val.classes, "paths": index.val.paths, "labels": index.val.labels}}
+    scratch = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        with scratch.open("wb") as handle:
-            pickle.dump({"format": FORMAT, "key": key, "index": index}, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        with scratch.open("w", encoding="utf-8") as handle:
+            json.dump(payload, handle, separators=(",", ":"))
         os.replace(scratch, path)
     except OSError:
-        pass
+        try:
+            scratch.unlink()
+        except OSError:
+            pass
 
 
 def build_index(root: Path, cache_dir: Path | None) -> FileIndex:
@@ -146,7 +172,7 @@ def build_index(root: Path, cache_dir: Path | None) -> FileIndex:
         key, path = cache_key(root), cache_file(root, cache_dir)
         cached = load_cached(path, key)
         if cached is not None:
-            cached.source, cached.seconds = "cache", time.perf_counter() - start
+            cached.root, cached.source, cached.seconds = str(root), "cache", time.perf_counter() - start
             return cached
     index = FileIndex(str(root), scan_split(root / "train"), scan_split(root / "val"))
     if path is not None and key is not None:

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from torch.utils.data import DataLoader
 
@@ -66,14 +66,15 @@ def loader_kwargs(data: DataConfig, pin_memory: bool) -> dict:
 
 @dataclass
 class Loaders:
+    """A task's loaders for one rank, and what the trainer needs to know about them."""
+
     train: Sequence | DataLoader
     val: Sequence | DataLoader
-    train_sampler: ShardedSampler | None
-    num_classes: int
-    train_size: int
+    train_sampler: ShardedSampler | None  # None: the loader has no resumable position (synthetic data)
+    train_size: int                       # training samples in an epoch, all ranks together
     val_size: int
-    index: Any = None  # the FileIndex of folder datasets, for the start-up line
     val_sampler: ShardedSampler | None = None
+    note: str = ""                        # a start-up line about the data (e.g. where the file index came from)
 
     def reshard(self, rank: int, world_size: int) -> None:
         """After the number of ranks changed (elastic training)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .config import Config, load_config
+from ..config import Config, load_config
 
 # Two-sided 95% quantiles of Student's t distribution by degrees of freedom (1..30).
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
@@ -65,58 +65,66 @@ def synchronize(device: torch.device) -> None:
 
 def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
     """Run the benchmark on this rank; every rank returns the same summary."""
-    from . import dist
-    from .data import SyntheticBatches
-    from .engine import train_one_epoch
-    from .trainer import setup
+    from .. import dist
+    from ..builders import compression_for
+    from ..data.synthetic import SyntheticBatches
+    from ..engine import train_one_epoch
+    from ..run import resume_and_broadcast, setup
 
     run = setup(cfg)
-    state = run.state
-    passes = state.backward_passes_per_step
+    resume_and_broadcast(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
+    state, settings = run.state, run.settings
+    passes = settings.backward_passes_per_step
     batch = cfg.train.batch_size
     rank = dist.rank()
-    num_classes = run.loaders.num_classes
+    num_classes = run.task.num_classes
 
     def batches(count: int) -> SyntheticBatches:
         synthetic = SyntheticBatches(count * passes, batch, cfg.data.image_size, num_classes, cfg.seed + rank)
-        if state.device.type == "cuda":  # as the trainer's loaders do on CUDA: asynchronous copies
+        if settings.device.type == "cuda":  # as the trainer's loaders do on CUDA: asynchronous copies
             synthetic.images, synthetic.labels = synthetic.images.pin_memory(), synthetic.labels.pin_memory()
         return synthetic
 
+    def timed_epoch(batches: SyntheticBatches, count: int) -> dict[str, Any]:
+        # train_one_epoch runs from the position in the epoch up to ``count``: every call starts
+        # from step 0, or the warm-up would eat the first repeat and later repeats run nothing.
+        state.position.start_epoch(0)
+        metrics = train_one_epoch(state, settings, batches, count, dist.allreduce_sum)
+        if metrics["steps"] != count:
+            raise RuntimeError(f"bench: {metrics['steps']} of {count} steps ran")
+        return metrics
+
     if warmup_steps > 0:
-        train_one_epoch(state, batches(warmup_steps), warmup_steps, dist.allreduce_sum)
-    local_rates, totals = [], []
+        timed_epoch(batches(warmup_steps), warmup_steps)
+    local_rates, totals, steps_run, samples_run = [], [], [], []
     timed = batches(steps)
     for _ in range(repeats):
-        synchronize(state.device)
+        synchronize(settings.device)
         start = time.perf_counter()
         # train_one_epoch ends with a cross-rank reduction of its metrics, so every rank's
         # clock stops after the last rank's last step.
-        metrics = train_one_epoch(state, timed, steps, dist.allreduce_sum)
-        synchronize(state.device)
+        metrics = timed_epoch(timed, steps)
+        synchronize(settings.device)
         seconds = time.perf_counter() - start
         local_rates.append(steps * passes * batch / seconds)
         slowest = max(dist.allgather_object(seconds, name="bench_seconds"))
         totals.append(metrics["samples"] / slowest)
+        steps_run.append(metrics["steps"])
+        samples_run.append(metrics["samples"])
     per_rank = dist.allgather_object(local_rates, name="bench_rates")
     total_mean, total_half = interval95(totals)
     return {
         "arch": cfg.model.arch, "image_size": cfg.data.image_size, "batch_size": batch,
         "backward_passes_per_step": passes, "world_size": dist.size(), "controller": dist.controller(),
-        "device": state.device.type, "threads_per_rank": torch.get_num_threads(),
-        "compression": compression_of(cfg, state),
+        "device": settings.device.type, "threads_per_rank": torch.get_num_threads(),
+        "compression": compression_for(cfg, settings.device),
         "amp": cfg.amp.dtype if cfg.amp.enabled else "off", "compile": cfg.runtime.compile,
         "warmup_steps": warmup_steps, "steps": steps, "repeats": repeats,
+        "steps_run": steps_run, "samples_run": samples_run,  # per repeat: what was really timed
         "per_rank": [{"rank": r, "images_per_sec": interval95(rates)[0], "ci95": interval95(rates)[1],
                       "repeats": rates} for r, rates in enumerate(per_rank)],
         "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
     }
-
-
-def compression_of(cfg: Config, state: Any) -> str:
-    if cfg.dist.compression != "auto":
-        return cfg.dist.compression
-    return "fp16" if state.device.type == "cuda" else "none"
 
 
 def format_report(result: dict[str, Any]) -> list[str]:
@@ -138,7 +146,7 @@ def format_report(result: dict[str, Any]) -> list[str]:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from .config import ConfigError
+    from ..config import ConfigError
 
     args = bench_parser().parse_intermixed_args(argv)
     for flag, value, low in (("--warmup-steps", args.warmup_steps, 0), ("--steps", args.steps, 1),
@@ -148,7 +156,7 @@ def cmd_bench(argv: list[str]) -> int:
     cfg = load_config(args.config, list(args.overrides) + FORCED)
     result = run_bench(cfg, args.warmup_steps, args.steps, args.repeats)
 
-    from . import dist
+    from .. import dist
 
     if dist.is_primary():
         for line in format_report(result):

@@ -21,9 +21,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from .config import load_config
-from .data import IMAGENET_MEAN, IMAGENET_STD, DataError, file_datasets, loader_kwargs
-from .folder_data import ImageFiles, collate
+from ..config import load_config
+from ..data import DataError
+from ..data.image_folder import ImageFiles, collate
+from ..data.loaders import loader_kwargs
+from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ..tasks.image_classification import file_datasets
 
 
 class ReferenceFiles(Dataset):

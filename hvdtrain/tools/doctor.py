@@ -114,7 +114,7 @@ def local_facts() -> dict[str, Any]:
 
     import hvdtrain
 
-    from . import dist
+    from .. import dist
 
     interfaces = {}
     for name, addresses in psutil.net_if_addrs().items():
@@ -239,7 +239,7 @@ def bench(sizes: list[int], iters: int, warmup: int) -> None:
     """Under a launcher: time allreduce for every size; rank 0 prints one JSON line of results."""
     import torch
 
-    from . import dist
+    from .. import dist
 
     dist.init()
     torch.set_num_threads(1)

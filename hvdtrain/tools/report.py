@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .data import DataError
+from ..data import DataError
 
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -38,6 +38,8 @@ def by_split(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Records per split, one per epoch (the last one wins when a resumed run repeated an epoch)."""
     splits: dict[str, dict[int, dict[str, Any]]] = {}
     for record in records:
+        if "images_per_sec" in record:  # metrics.jsonl of hvdtrain before the task interface
+            record.setdefault("samples_per_sec", record.pop("images_per_sec"))
         splits.setdefault(record.get("split", "train"), {})[int(record.get("epoch", 0))] = record
     return {split: [epochs[e] for e in sorted(epochs)] for split, epochs in splits.items()}
 
@@ -48,7 +50,7 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
     lines = [f"run {run_dir}: {epochs} epoch(s)"]
     if train:
         last = train[-1]
-        rates = [r["images_per_sec"] for r in train if "images_per_sec" in r]
+        rates = [r["samples_per_sec"] for r in train if "samples_per_sec" in r]
         waits = [r["data_wait_fraction"] for r in train if "data_wait_fraction" in r]
         lines.append(f"train: last epoch loss {last['loss']:.4f}, top-1 {last['top1']:.2f}%; "
                      f"{sum(rates) / max(1, len(rates)):.1f} img/s on average (last {rates[-1]:.1f})"
@@ -71,7 +73,7 @@ def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summar
     from matplotlib.ticker import MaxNLocator
 
     panels = [("loss", "loss", ("train", "val")), ("top1", "top-1 (%)", ("train", "val")),
-              ("lr", "learning rate (end of epoch)", ("train",)), ("images_per_sec", "images / s", ("train", "val")),
+              ("lr", "learning rate (end of epoch)", ("train",)), ("samples_per_sec", "images / s", ("train", "val")),
               ("data_wait_fraction", "data wait (fraction of train time)", ("train",))]
     figure, grid = plt.subplots(2, 3, figsize=(12, 6), dpi=80)
     axes = list(grid.flat)

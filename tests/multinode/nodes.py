@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import job_env
+from tests.helpers import job_env
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import training_processes
+
+from tests.helpers import training_processes
 
 from .nodes import BIN, REPO
 

@@ -10,23 +10,23 @@ from pathlib import Path
 import torch
 
 from hvdtrain import dist
-from hvdtrain.cli import train_parser
+from hvdtrain.cli import run_training, train_parser
 from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
-from hvdtrain.trainer import Preempted, train
+from hvdtrain.run import Preempted
 
 def main() -> None:
     out = Path(sys.argv[1])
     args = train_parser().parse_args(sys.argv[2:])
     try:
-        run, metrics = train(load_config(args.config, args.overrides))
+        run, metrics = run_training(load_config(args.config, args.overrides))
     except Preempted as stop:  # as python -m hvdtrain does
         sys.exit(stop.exit_code)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({
         "state": unwrap_state_dict(run.state.model),
         "rank": dist.rank(), "size": dist.size(), "local_rank": dist.local_rank(),
-        "controller": dist.controller(), "metrics": metrics, "step": run.state.step,
+        "controller": dist.controller(), "metrics": metrics, "step": run.state.position.step,
         "launcher_env": dist.launcher_env(),
     }, out / f"rank{dist.rank()}.pt")
 

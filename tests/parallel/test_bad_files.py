@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from conftest import PROBE, launch
 from hvdtrain.data.demo import generate
+from tests.helpers import PROBE, launch
 
 
 def encoded(image: Image.Image, fmt: str) -> bytes:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import launch
+from tests.helpers import launch
 
 TINY = ["--warmup-steps", "1", "--steps", "2", "--repeats", "2", "--config", "debug", "train.batch_size=4"]
 
@@ -18,7 +18,7 @@ def result_lines(stdout: str) -> list[str]:
     return [re.sub(r"^\[[\d,]+\]<stdout>:", "", line) for line in stdout.splitlines()]
 
 
-def check(stdout: str, ranks: int, json_path) -> dict:
+def check(stdout: str, ranks: int, json_path, passes: int = 1) -> dict:
     lines = [line for line in result_lines(stdout) if line.strip()]
     assert re.fullmatch(r"images_per_sec=\d+\.\d+", lines[-1].strip()), stdout[-2000:]
     for rank in range(ranks):
@@ -27,8 +27,13 @@ def check(stdout: str, ranks: int, json_path) -> dict:
     result = json.loads(json_path.read_text())
     assert result["world_size"] == ranks and len(result["per_rank"]) == ranks
     assert result["warmup_steps"] == 1 and result["steps"] == 2 and len(result["repeats_images_per_sec"]) == 2
+    # Every timed repeat ran all of its steps (a benchmark that times nothing must not pass).
+    assert result["steps_run"] == [2, 2], result
+    assert result["samples_run"] == [2 * ranks * 4 * passes] * 2, result
     total = float([l for l in lines if l.startswith("images_per_sec=")][-1].split("=")[1])
     assert total == pytest.approx(result["images_per_sec"], abs=0.01) and total > 0
+    for row in result["per_rank"]:  # a rank's rate is its own samples over its own time
+        assert row["images_per_sec"] == pytest.approx(total / ranks, rel=0.5), result
     return result
 
 
@@ -36,7 +41,7 @@ def test_bench_single_process_with_accumulation_and_compression(tmp_path):
     out = tmp_path / "bench.json"
     run = launch("single", 1, ["-m", "hvdtrain", "bench", *TINY, "--json", str(out),
                                "train.backward_passes_per_step=2", "dist.compression=fp16"], tmp_path)
-    result = check(run.stdout, 1, out)
+    result = check(run.stdout, 1, out, passes=2)
     assert result["compression"] == "fp16" and result["backward_passes_per_step"] == 2
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, PROBE, job_env, launch, training_processes, wait_for_line
+from tests.helpers import BIN, PROBE, job_env, launch, training_processes, wait_for_line
 
 # Augmentation on, a loader worker per rank, fp16 AMP (GradScaler state), mid-epoch checkpoints
 # every 3 steps with 4 steps per epoch: checkpoints at steps 3, 4, 6, 8, 9, 12.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROBE, launch
+from tests.helpers import PROBE, launch
 
 DEBUG = ["--config", "debug"]
 
@@ -53,7 +53,7 @@ def test_two_ranks_train_to_identical_parameters(launcher, controller, tiny_data
     records = read_metrics(run_dir)
     assert [(r["split"], r["epoch"]) for r in records] == [("train", 0), ("val", 0), ("train", 1), ("val", 1)]
     for record in records:
-        for key in ("loss", "top1", "top5", "lr", "images_per_sec", "seconds", "samples", "step"):
+        for key in ("loss", "top1", "top5", "lr", "samples_per_sec", "seconds", "samples", "step"):
             assert key in record, key
     assert [r["samples"] for r in records if r["split"] == "val"] == [21, 21]       # every image once
     assert [r["samples"] for r in records if r["split"] == "train"] == [64, 64]     # 4 steps x 2 ranks x 8

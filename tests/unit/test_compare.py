@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import compare  # noqa: E402
+from benchmarks import compare
 
 
 def test_medians_ratios_and_weak_scaling():

@@ -4,7 +4,9 @@ the cached file index and the pre-flight checks."""
 from __future__ import annotations
 
 import io
+import json
 import math
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ from hvdtrain.tools.bench_data import photo
 from hvdtrain.config import DataConfig
 from hvdtrain.data import DataError
 from hvdtrain.tasks.image_classification import file_datasets
-from hvdtrain.data.file_index import build_index, cache_file
+from hvdtrain.data.file_index import FORMAT, build_index, cache_file
 from hvdtrain.data.image_folder import BadFileError, CountingLoader, collate
 from hvdtrain.data.decode import BadImage, CenterCrop, TrainCrop, crop_params
 
@@ -208,6 +210,73 @@ def test_index_matches_image_folder_and_is_cached_until_a_folder_changes(tmp_pat
     third = build_index(root, cache)
     assert third.source == "scan" and "c2/new.JPEG" in third.train.paths
     assert build_index(root, None).source == "scan"
+
+
+def test_index_cache_is_json_and_equals_a_fresh_scan(tmp_path):
+    root = tmp_path / "data"
+    write_dataset(root, np.random.default_rng(5), bad=False)
+    (root / "val" / "c1" / "ünïcode name é.JPEG").write_bytes(jpeg(photo(np.random.default_rng(6), 80, 60)))
+    cache = tmp_path / "cache"
+    scanned = build_index(root, cache)
+    payload = json.loads(cache_file(root, cache).read_text(encoding="utf-8"))
+    assert payload["format"] == FORMAT == "hvdtrain-file-index-v2"
+    assert payload["train"]["paths"] == scanned.train.paths
+    assert not [p for p in cache_file(root, cache).parent.iterdir() if ".tmp-" in p.name]  # no scratch left
+
+    cached, fresh = build_index(root, cache), build_index(root, None)
+    assert (cached.source, fresh.source) == ("cache", "scan")
+    assert (cached.root, cached.train, cached.val) == (fresh.root, fresh.train, fresh.val)
+    assert "c1/ünïcode name é.JPEG" in cached.val.paths
+
+
+class Unpickled:
+    """Unpickling this creates ``marker``: a cache loader that unpickles would leave it behind."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "old_pickle", "other_format", "stale_key",
+                                    "not_a_dict", "bad_index", "directory"])
+def test_a_corrupt_or_old_index_cache_is_rebuilt_silently(damage, tmp_path, capsys):
+    root = tmp_path / "data"
+    write_dataset(root, np.random.default_rng(7), bad=False)
+    cache = tmp_path / "cache"
+    fresh = build_index(root, cache)
+    path = cache_file(root, cache)
+    payload = json.loads(path.read_text())
+    marker = tmp_path / "unpickled"
+    if damage == "garbage":
+        path.write_bytes(b"\x80\x04\xff not json \x00")
+    elif damage == "truncated":
+        path.write_text(path.read_text()[:-20])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "old_pickle":  # what hvdtrain-file-index-v1 wrote (here with a payload that must not run)
+        path.write_bytes(pickle.dumps({"format": "hvdtrain-file-index-v1", "key": payload["key"],
+                                       "index": Unpickled(marker)}))
+    elif damage == "other_format":
+        path.write_text(json.dumps({**payload, "format": "hvdtrain-file-index-v1"}))
+    elif damage == "stale_key":
+        path.write_text(json.dumps({**payload, "key": "0" * 64, "train": {**payload["train"], "paths": ["gone.JPEG"] * 9}}))
+    elif damage == "not_a_dict":
+        path.write_text(json.dumps([payload]))
+    elif damage == "bad_index":  # the right format and key, but the index is not one
+        path.write_text(json.dumps({**payload, "val": {**payload["val"], "labels": payload["val"]["labels"][1:]}}))
+    elif damage == "directory":
+        path.unlink()
+        path.mkdir()
+
+    rebuilt = build_index(root, cache)
+    assert rebuilt.source == "scan" and (rebuilt.train, rebuilt.val) == (fresh.train, fresh.val)
+    assert not marker.exists()
+    assert capsys.readouterr() == ("", "")
+    if damage != "directory":  # rewritten in the current format, so the next start reads it
+        assert json.loads(path.read_text())["format"] == FORMAT
+        assert build_index(root, cache).source == "cache"
 
 
 @pytest.mark.parametrize("layout, message", [

@@ -1,6 +1,8 @@
 import torch
 
-from hvdtrain.metrics import MetricSums, hit_counts, summarize
+from hvdtrain.config import Config
+from hvdtrain.metrics import MetricSums
+from hvdtrain.tasks.image_classification import ImageClassification, hit_counts, summarize
 
 
 def test_hit_counts_top1_top5():
@@ -18,17 +20,20 @@ def test_topk_capped_by_number_of_classes():
 
 def test_reduction_uses_sums_not_means_of_means():
     # Rank 0: 3 images with mean loss 1.0, all top-1 hits; rank 1: 1 image with loss 5.0, a miss.
-    rank0, rank1 = MetricSums(), MetricSums()
-    rank0.add(torch.tensor(1.0), torch.eye(3) * 5, torch.tensor([0, 1, 2]))
-    rank1.add(torch.tensor(5.0), torch.tensor([[5.0, 0, 0]]), torch.tensor([1]))
-    total = rank0.values + rank1.values
-    result = summarize(total)
+    task = ImageClassification(Config())
+    width = len(task.sum_fields)
+    rank0, rank1 = MetricSums(width), MetricSums(width)
+    rank0.add(task.metric_sums(torch.tensor(1.0), torch.eye(3) * 5, torch.tensor([0, 1, 2])))
+    rank1.add(task.metric_sums(torch.tensor(5.0), torch.tensor([[5.0, 0, 0]]), torch.tensor([1])))
+    result = task.summarize(rank0.values + rank1.values)
     assert result["loss"] == 2.0              # (3 * 1 + 1 * 5) / 4, not (1 + 5) / 2
     assert result["top1"] == 75.0 and result["top5"] == 100.0
     assert result["samples"] == 4
-    # reduced() hands the local sums to the collective and summarizes what comes back.
-    assert rank0.reduced(lambda t: t + rank1.values) == result
+    # reduced() hands the local sums to the collective and returns what comes back.
+    assert task.summarize(rank0.reduced(lambda t: t + rank1.values)) == result
 
 
 def test_empty_shard_contributes_zeros():
-    assert MetricSums().reduced(lambda t: t)["samples"] == 0
+    sums = MetricSums(4)
+    assert sums.reduced(lambda t: t).tolist() == [0.0] * 4
+    assert summarize(sums.local())["samples"] == 0

@@ -20,11 +20,11 @@ def write_run(run_dir: Path, epochs: int = 3) -> None:
     for epoch in range(epochs):
         lines.append({"split": "train", "epoch": epoch, "step": 4 * (epoch + 1), "loss": 2.0 - 0.3 * epoch,
                       "top1": 20.0 + 10 * epoch, "top5": 60.0, "samples": 64, "seconds": 2.0,
-                      "lr": 0.1 * (1 - epoch / epochs), "images_per_sec": 30.0 + epoch,
+                      "lr": 0.1 * (1 - epoch / epochs), "samples_per_sec": 30.0 + epoch,
                       "data_wait_fraction": 0.05})
         lines.append({"split": "val", "epoch": epoch, "step": 4 * (epoch + 1), "loss": 2.1 - 0.3 * epoch,
                       "top1": 15.0 + 12 * epoch, "top5": 55.0, "samples": 21, "seconds": 0.5, "lr": 0.1,
-                      "images_per_sec": 40.0})
+                      "images_per_sec": 40.0})  # the old name, still read
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 

@@ -1,0 +1,106 @@
+"""The builders ``run.setup`` is made of: each small, each identical on every rank.
+
+Under elastic mode none of them calls a collective: a worker may join a job whose other ranks are
+inside the state synchronization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from . import dist
+from .config import Config
+from .data import DataError
+from .data.loaders import Loaders
+from .optim import LRSchedule, build_sgd
+from .sync_bn import convert_sync_batchnorm
+from .tasks import DataEnv, Task
+from .watchdog import LivenessService, Peer
+
+
+def wants_gpu(cfg: Config) -> bool:
+    return cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and torch.cuda.is_available())
+
+
+def pick_device(cfg: Config) -> torch.device:
+    if wants_gpu(cfg):
+        if not torch.cuda.is_available():
+            raise DataError("runtime.device=cuda but no CUDA device is visible (use runtime.device=cpu)")
+        index = dist.local_rank() % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def threads_per_rank(cfg: Config) -> int:
+    if cfg.runtime.threads > 0:
+        return cfg.runtime.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, dist.local_size()))
+
+
+def build_peers(elastic: bool) -> tuple[LivenessService, list[Peer]]:
+    """Every rank's address and liveness port, known to every rank, to name a lost one later.
+    (Elastic runs leave lost workers to Horovod Elastic instead.)"""
+    liveness = LivenessService(dist.rank())
+    if elastic:
+        return liveness, []
+    return liveness, [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]
+
+
+def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loaders, int, int]:
+    """The task's loaders; the steps per epoch and the global batch they give."""
+    elastic = cfg.elastic.enabled
+    env = DataEnv(rank=dist.rank(), world_size=dist.size(), pin_memory=device.type == "cuda",
+                  broadcast_object=None if elastic else dist.broadcast_object,
+                  local_rank_zero_first=contextlib.nullcontext if elastic else dist.local_rank_zero_first,
+                  keep_partial_batches=elastic)
+    loaders = task.build_loaders(env)
+    passes = cfg.train.backward_passes_per_step
+    steps_per_epoch = len(loaders.train) // passes
+    if cfg.train.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.train.steps_per_epoch)
+    if steps_per_epoch == 0:
+        raise DataError(f"the training split has {loaders.train_size} samples: too few for one step of "
+                        f"{dist.size()} ranks x {cfg.train.batch_size} samples x {passes} passes "
+                        f"(lower train.batch_size or use fewer ranks)")
+    return loaders, steps_per_epoch, cfg.train.batch_size * dist.size() * passes
+
+
+def build_model(cfg: Config, task: Task, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    model = task.build_model()
+    if cfg.model.sync_bn:
+        model = convert_sync_batchnorm(model, cuda=device.type == "cuda")
+    # channels_last suits convolutions on the GPU (tensor cores); on the CPU it is slower here.
+    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    model = model.to(device, dtype=dtype, memory_format=memory_format)
+    if cfg.runtime.compile:
+        # Module.compile() compiles forward in place: parameter names and state-dict keys stay
+        # unprefixed, so the optimizer, broadcasts and checkpoints are unchanged.
+        model.compile()
+    return model
+
+
+def compression_for(cfg: Config, device: torch.device) -> str:
+    if cfg.dist.compression == "auto":
+        return "fp16" if device.type == "cuda" else "none"
+    return cfg.dist.compression
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
+                    device: torch.device) -> torch.optim.Optimizer:
+    return dist.distributed_optimizer(
+        build_sgd(model, cfg.optim, schedule(0)), model.named_parameters(), compression=compression_for(cfg, device),
+        backward_passes_per_step=cfg.train.backward_passes_per_step, op=cfg.dist.op)
+
+
+def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
+    """The autocast dtype and, for float16, the GradScaler."""
+    if not cfg.amp.enabled:
+        return None, None
+    if cfg.amp.dtype == "float16":
+        return torch.float16, torch.amp.GradScaler(device.type)
+    return torch.bfloat16, None

@@ -1,0 +1,156 @@
+"""Image classification (ImageNet-style): the default task.
+
+Data: an ImageFolder tree (``data.dir`` with ``train/`` and ``val/``), the built-in demo dataset
+when ``data.dir`` is empty, or synthetic batches. Model: any torchvision classification model.
+Loss: cross-entropy (label smoothing in training). Metrics: loss, top-1 and top-5 accuracy, from
+exact sums of correct predictions over every validation image once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from ..config import Config
+from ..data.demo import ensure_demo_dataset
+from ..data.file_index import FileIndex, shared_index
+from ..data.image_folder import CountingLoader, ImageFiles, collate
+from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
+from ..data.sampler import SeededSamples, ShardedSampler
+from ..data.synthetic import SyntheticBatches
+from ..data.transforms import DeviceNormalizer, fast_eval_transform, fast_train_transform
+from ..model import build_model
+from . import DataEnv, Task
+
+SUM_FIELDS = ("loss_sum", "correct1", "correct5", "count")
+
+
+def hit_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 and top-5 hits in a batch as 0-d tensors on the batch's device (no host sync).
+
+    Top-k is capped by the number of classes.
+    """
+    k = min(5, logits.shape[1])
+    hits = logits.topk(k, dim=1).indices.eq(targets.view(-1, 1))
+    return hits[:, :1].sum(), hits.sum()
+
+
+def summarize(sums: torch.Tensor) -> dict[str, float]:
+    """Global loss mean, top-1 and top-5 (percent) and the image count from summed values."""
+    loss_sum, correct1, correct5, count = (float(v) for v in sums)
+    if count == 0:
+        return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "samples": 0}
+    return {"loss": loss_sum / count, "top1": 100.0 * correct1 / count, "top5": 100.0 * correct5 / count,
+            "samples": int(round(count))}
+
+
+def file_datasets(data, root: Path, is_primary: bool = True,
+                  broadcast_object=None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
+    """The train and val datasets over rank 0's (cached) file index."""
+    index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object)
+    train_set = ImageFiles(root / "train", index.train.paths, index.train.labels, fast_train_transform(data),
+                           replace_bad=True)
+    val_set = ImageFiles(root / "val", index.val.paths, index.val.labels, fast_eval_transform(data),
+                         replace_bad=False)
+    return train_set, val_set, index
+
+
+def dataset_root(cfg: Config, env: DataEnv) -> Path:
+    """``data.dir``, or the built-in demo dataset: generated once per host (the generation ends in an
+    atomic rename, so processes that race without collectives are safe too)."""
+    if cfg.data.dir:
+        return Path(cfg.data.dir).expanduser()
+    with env.local_rank_zero_first():
+        return ensure_demo_dataset()
+
+
+class ImageClassification(Task):
+    name = "image_classification"
+    sum_fields = SUM_FIELDS
+    best_metric = "top1"
+    higher_is_better = True
+    unit = "img"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.num_classes = cfg.model.num_classes or 1000
+        self.index: FileIndex | None = None
+        self.normalizers: dict[tuple, DeviceNormalizer] = {}
+
+    def build_loaders(self, env: DataEnv) -> Loaders:
+        cfg = self.cfg
+        data, batch, rank, world_size = cfg.data, cfg.train.batch_size, env.rank, env.world_size
+        if data.synthetic:
+            per_rank = data.synthetic_samples // world_size
+            train = SyntheticBatches(per_rank // batch, batch, data.image_size, self.num_classes, cfg.seed + rank)
+            val = SyntheticBatches(max(1, 50000 // world_size // batch), batch, data.image_size, self.num_classes,
+                                   cfg.seed + 7919 + rank)
+            return Loaders(train, val, None, per_rank * world_size, 0)
+
+        root = dataset_root(cfg, env)
+        train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object)
+        self.num_classes = cfg.model.num_classes or len(self.index.train.classes)
+        train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True)
+        val_sampler = ShardedSampler(len(val_set), world_size, rank, shuffle=False, pad=False)
+        kwargs = loader_kwargs(data, env.pin_memory)
+        fail = data.on_bad_file == "fail"
+        # A private generator: creating an iterator must not consume the global torch RNG, or a run
+        # resumed mid-epoch would see different random numbers than an uninterrupted one.
+        # Elastic runs keep the last partial batch: after a change in the number of ranks the rest of
+        # an epoch need not be a whole number of global batches, and no image may be left out.
+        train = CountingLoader(DataLoader(SeededSamples(train_set), batch_size=batch, sampler=train_sampler,
+                                          drop_last=not env.keep_partial_batches, collate_fn=collate,
+                                          generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
+        val = CountingLoader(DataLoader(SeededSamples(val_set), batch_size=batch, sampler=val_sampler,
+                                        drop_last=False, collate_fn=collate,
+                                        generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
+        return Loaders(train, val, train_sampler, len(train_set), len(val_set), val_sampler,
+                       note=self.index_note())
+
+    def index_note(self) -> str:
+        index = self.index
+        if index is None:
+            return ""
+        return f"file index of {index.root} from {index.source} in {index.seconds:.2f}s"
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.cfg.model, self.num_classes)
+
+    def to_device(self, batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+        images, targets = batch
+        # channels_last suits convolutions on the GPU (tensor cores); on the CPU it is slower here.
+        key = (device, dtype)
+        if key not in self.normalizers:
+            self.normalizers[key] = DeviceNormalizer(device, channels_last=device.type == "cuda", dtype=dtype)
+        return self.normalizers[key](images), targets.to(device, non_blocking=True)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor, training: bool) -> torch.Tensor:
+        if training:
+            return F.cross_entropy(outputs, targets, label_smoothing=self.cfg.optim.label_smoothing)
+        # Half-precision logits (autocast) are scored in float32; float32 and float64 as they are.
+        return F.cross_entropy(outputs.to(torch.promote_types(outputs.dtype, torch.float32)), targets)
+
+    def metric_sums(self, loss: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        top1, top5 = hit_counts(outputs, targets)
+        count = targets.shape[0]
+        return torch.stack([loss.detach().double() * count, top1.double(), top5.double(),
+                            torch.tensor(float(count), dtype=torch.float64, device=targets.device)])
+
+    def summarize(self, sums: torch.Tensor) -> dict[str, float]:
+        return summarize(sums)
+
+    def describe(self, loaders: Loaders) -> str:
+        data = "synthetic data" if self.cfg.data.synthetic else \
+            f"{loaders.train_size} train / {loaders.val_size} val images"
+        return f"{self.cfg.model.arch} with {self.num_classes} classes, {data}"
+
+    def epoch_summary(self, train: dict[str, Any], val: dict[str, Any]) -> str:
+        return (f"train loss {train['loss']:.4f} top1 {train['top1']:.2f}%  "
+                f"| val loss {val['loss']:.4f} top1 {val['top1']:.2f}% top5 {val['top5']:.2f}%")
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        return {"arch": self.cfg.model.arch, "num_classes": self.num_classes}

@@ -1,0 +1,86 @@
+"""Helpers shared by the test modules: paths, the job environment and a runner for really
+launched multi-rank jobs. Import them as ``from tests.helpers import launch, PROBE``: tests/ and
+its folders are packages, so pytest makes the repository root importable. Fixtures stay in the
+conftest.py files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PROBE = REPO / "tests" / "parallel" / "probe.py"
+JOB_TIMEOUT = 600
+
+
+def job_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "HVDTRAIN_CACHE": str(tmp_path / "cache"),
+        # Tests run as root in CI containers; Open MPI refuses that unless told.
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        # Cross-memory attach is often forbidden in containers; shared memory copies still work.
+        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    })
+    return env
+
+
+def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``program`` (argv after the interpreter) on ``np_`` ranks with a real launcher."""
+    python = [str(BIN / "python")] + program
+    if kind == "single":
+        cmd = python
+    elif kind == "horovodrun-gloo":
+        cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo"] + python
+    elif kind == "horovodrun-mpi":
+        cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--mpi"] + python
+    elif kind == "mpirun":
+        cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
+    else:
+        raise ValueError(kind)
+    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                             f"\n--- stderr\n{result.stderr[-4000:]}")
+    return result
+
+
+def training_processes(marker: str) -> dict[int, dict[str, str]]:
+    """Python processes whose argv contains ``marker`` (e.g. their output dir), with their
+    environment: the ranks themselves, not launchers or loader workers (whose argv lacks it)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"python") and marker.encode() in b" ".join(argv):
+            found[int(entry.name)] = dict(v.decode(errors="replace").split("=", 1) for v in environ if b"=" in v)
+    return found
+
+
+def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180, lines: list[str] | None = None) -> list[str]:
+    """Read ``job``'s output until a line contains ``text``; returns (and extends) the lines read."""
+    lines, deadline = ([] if lines is None else lines), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-3000:]}")
