@@ -80,8 +80,12 @@ def test_checkpoint_contents_and_retention(straight):
     assert os.path.samefile(directory / "last.pt", directory / "step-00000012.pt")
     saved = torch.load(directory / "step-00000003.pt", weights_only=True)
     assert (saved["epoch"], saved["step_in_epoch"], saved["samples_in_epoch"], saved["step"]) == (0, 3, 48, 3)
-    assert saved["scaler"]["scale"] > 0 and saved["world_size"] == 2 and len(saved["rng"]) == 2
-    assert all({"torch", "python", "numpy"} <= set(state) for state in saved["rng"])
+    assert saved["format"] == 3 and saved["task"] == {"name": "image_classification", "arch": "resnet18",
+                                                       "num_classes": 4}
+    assert saved["scaler"]["scale"] > 0 and saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    assert all({"torch", "python", "numpy"} <= set(rank["rng"]) for rank in saved["ranks"])
+    # Mid-epoch, every rank's own BatchNorm statistics are kept (they are averaged at epoch ends).
+    assert all("bn1.running_mean" in rank["buffers"] for rank in saved["ranks"])
     assert not any(key.startswith("module.") for key in saved["model"])
     metrics = [json.loads(line) for line in (straight[0] / "metrics.jsonl").read_text().splitlines()]
     best_epoch = max((m for m in metrics if m["split"] == "val"), key=lambda m: m["top1"])
@@ -114,6 +118,25 @@ def test_corrupt_last_checkpoint_falls_back_to_the_newest_good_one(straight, tin
     assert f"checkpoint '{run_dir / 'checkpoints' / 'last.pt'}' is unreadable" in output
     assert f"checkpoint '{run_dir / 'checkpoints' / 'step-00000009.pt'}' is unreadable" in output
     assert f"resumed from {run_dir / 'checkpoints' / 'step-00000008.pt'}" in output
+    assert_bitwise_equal(final_states(tmp_path / "probe")[0], expected)
+
+
+def as_format_2(payload: dict) -> dict:
+    """A checkpoint as hvdtrain wrote it before the run state protocol (format 2)."""
+    old = {key: value for key, value in payload.items() if key not in ("ranks", "best_metric", "task")}
+    old.update(format=2, best_top1=payload["best_metric"], rng=[rank["rng"] for rank in payload["ranks"]],
+               rank_buffers=[rank["buffers"] for rank in payload["ranks"]] if payload["step_in_epoch"] else None)
+    return old
+
+
+def test_a_format_2_checkpoint_still_resumes_exactly(straight, tiny_data, tmp_path):
+    straight_dir, expected = straight
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    saved = torch.load(straight_dir / "checkpoints" / "step-00000006.pt", weights_only=True)
+    torch.save(as_format_2(saved), run_dir / "checkpoints" / "last.pt")
+    result = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir), tmp_path)
+    assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch 2, step 2/4" in result.stdout
     assert_bitwise_equal(final_states(tmp_path / "probe")[0], expected)
 
 
