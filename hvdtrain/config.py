@@ -8,19 +8,17 @@ key and what would have been valid.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from .keys import ConfigError, field_types, set_key, type_name
+
+__all__ = ["Config", "ConfigError", "load_config", "apply_override", "from_dict", "to_dict", "dump_yaml", "validate"]
+
 PACKAGED_CONFIGS = Path(__file__).parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A configuration problem, phrased as one line for the user."""
 
 
 @dataclass
@@ -171,128 +169,6 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
-    """Turn ``value`` into ``tp`` or raise a one-line ConfigError naming ``key``."""
-
-    def bad() -> ConfigError:
-        return ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
-
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        text = str(value) if from_text or isinstance(value, str) else value
-        if text not in choices:
-            raise bad()
-        return text
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_text and str(value).lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return str(value).lower() in ("true", "yes", "1", "on")
-        raise bad()
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        if value is None:
-            return ""
-        raise bad()
-    raise TypeError(f"unsupported config field type {tp!r} for {key}")
-
-
-def _set(cfg: Any, dotted: str, value: Any, from_text: bool) -> None:
-    parts = dotted.split(".")
-    node = cfg
-    for depth, name in enumerate(parts):
-        types = _field_types(type(node))
-        prefix = ".".join(parts[:depth])
-        if name not in types:
-            where = f" in '{prefix}'" if prefix else ""
-            raise ConfigError(f"unknown config key '{dotted}' (valid keys{where}: {', '.join(sorted(types))})"
-                              + _did_you_mean(dotted))
-        tp = types[name]
-        last = depth == len(parts) - 1
-        if dataclasses.is_dataclass(tp):
-            if last:
-                if not isinstance(value, dict):
-                    raise ConfigError(f"config key '{dotted}' is a section; set its keys ({', '.join(sorted(_field_types(tp)))})")
-                for sub_key, sub_value in value.items():
-                    _set(cfg, f"{dotted}.{sub_key}", sub_value, from_text)
-                return
-            node = getattr(node, name)
-        else:
-            if not last:
-                raise ConfigError(f"config key '{'.'.join(parts[:depth + 1])}' is a value, not a section")
-            setattr(node, name, _coerce(dotted, value, tp, from_text))
-
-
-def _all_keys(cls: type | None = None, prefix: str = "") -> list[str]:
-    """Every dotted key, sections included ('train' and 'train.epochs'), in declaration order."""
-    keys = []
-    for name, tp in _field_types(cls or Config).items():
-        keys.append(prefix + name)
-        if dataclasses.is_dataclass(tp):
-            keys += _all_keys(tp, f"{prefix}{name}.")
-    return keys
-
-
-def suggest_keys(dotted: str, limit: int = 2) -> list[str]:
-    """The valid keys nearest to a mistyped one, best first; empty when none is near.
-
-    A right key in the wrong section or without its section ('train.base_lr', 'batch_size') is
-    found by its last part. Otherwise the whole dotted key is compared with the keys of as many
-    parts, so that a typo in the section ('trian.epochs') is found as well as one in the key
-    ('train.epoch'). Only matches about as close as the best are kept: a list of far guesses
-    would hide the one that helps.
-    """
-    keys = [key for key in _all_keys() if key != dotted]
-    leaf = dotted.rsplit(".", 1)[-1]
-    same_leaf = [key for key in keys if key.rsplit(".", 1)[-1] == leaf]
-    same_depth = [key for key in keys if key.count(".") == dotted.count(".")]
-    scored = sorted(((difflib.SequenceMatcher(None, dotted, key).ratio(), key) for key in same_depth),
-                    reverse=True)
-    best = scored[0][0] if scored else 0.0
-    close = [key for score, key in scored if score >= 0.7 and score >= best - 0.1]
-    return list(dict.fromkeys(same_leaf + close))[:limit]
-
-
-def _did_you_mean(dotted: str) -> str:
-    """'; did you mean 'a'?' for an unknown key, or nothing when no valid key is near."""
-    found = suggest_keys(dotted)
-    return f"; did you mean {' or '.join(repr(key) for key in found)}?" if found else ""
-
-
 def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") -> None:
     """Apply a nested mapping (as read from YAML) onto ``cfg``."""
     if mapping is None:
@@ -300,7 +176,7 @@ def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") 
     if not isinstance(mapping, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(mapping).__name__}")
     for key, value in mapping.items():
-        _set(cfg, str(key), value, from_text=False)
+        set_key(cfg, str(key), value, from_text=False)
 
 
 def apply_override(cfg: Config, text: str) -> None:
@@ -310,7 +186,7 @@ def apply_override(cfg: Config, text: str) -> None:
         hint = f" (to read a config file, use --config {text})" if text.endswith((".yaml", ".yml")) else ""
         raise ConfigError(f"override '{text}' is not of the form section.key=value{hint}")
     key, value = text.split("=", 1)
-    _set(cfg, key.strip(), value.strip(), from_text=True)
+    set_key(cfg, key.strip(), value.strip(), from_text=True)
 
 
 def resolve_config_path(name_or_path: str) -> Path:
@@ -416,12 +292,12 @@ def describe_keys() -> list[tuple[str, str, Any, str]]:
 
     def walk(cls: type, prefix: str, instance: Any) -> None:
         docs = docs_of(cls)
-        for name, tp in _field_types(cls).items():
+        for name, tp in field_types(cls).items():
             value = getattr(instance, name)
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{name}.", value)
             else:
-                rows.append((f"{prefix}{name}", _type_name(tp), value, docs.get(name, "")))
+                rows.append((f"{prefix}{name}", type_name(tp), value, docs.get(name, "")))
 
     walk(Config, "", Config())
     return rows

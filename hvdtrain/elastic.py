@@ -111,8 +111,16 @@ class ElasticState(dist.ElasticStateBase):
             self.samples.discard()
 
     def sync(self) -> None:
-        dist.broadcast_state(self.state)
-        self.train_sums = dist.broadcast_object(self.train_sums, name="hvdtrain.elastic.train_sums")
+        """Every rank takes the state of the rank that has trained furthest.
+
+        Horovod broadcasts from rank 0, and ranks hosts by age, but a host that comes back from its
+        blacklist cooldown can be ranked first: rank 0 is then a worker that has just joined, with
+        at most the last checkpoint, and its state would roll the job back.
+        """
+        steps = dist.allgather_object(self.state.position.step, name="hvdtrain.elastic.steps")
+        root = max(range(len(steps)), key=lambda r: (steps[r], -r))
+        dist.broadcast_state(self.state, root_rank=root)
+        self.train_sums = dist.broadcast_object(self.train_sums, root_rank=root, name="hvdtrain.elastic.train_sums")
         self.saved = self.snapshot()
 
 

@@ -93,10 +93,18 @@ def main() -> None:
     elastic.restore()
     seen["restored"] = counter.snapshot()
     seen["restored_equals_committed"] = counter.snapshot() == committed
-    counter.seen += 100 * rank  # the ranks diverge (as after a failure on one of them)
+    # The ranks diverge, and rank 1 has trained further (as when rank 0 is a worker that has just
+    # joined): the sync takes rank 1's state.
+    counter.seen += 100 * rank
+    seen["bias_before_sync"] = state.model[0].bias.sum().item()
+    if rank == 1:
+        with torch.no_grad():  # (a real step would allreduce, with rank 0 not taking part)
+            state.model[0].bias += 1
+        state.position.step += 1
     elastic.sync()
-    seen["synced"] = counter.snapshot()
+    seen["synced"] = counter.snapshot() + [state.position.step]
     seen["model_after_sync"] = [p.sum().item() for p in state.model.parameters()]
+    seen["bias_moved"] = state.model[0].bias.sum().item() - seen.pop("bias_before_sync")
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 
 

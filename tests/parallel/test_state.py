@@ -20,8 +20,10 @@ def test_a_new_state_component_round_trips_everywhere(tmp_path):
     # Checkpoint: the fresh state read the component, the position and the optimizer's momentum.
     assert [r["checkpoint"] for r in ranks] == [[[2.0] * 3, 11, 7]] * 2
     assert all(r["checkpoint_momentum_equal"] for r in ranks)
-    # Elastic: a rollback returns to the commit; a sync makes every rank equal to rank 0.
+    # Elastic: a rollback returns to the commit; a sync makes every rank equal to the rank that has
+    # trained furthest (rank 1 here, one step ahead, with its own counter).
     assert all(r["restored_equals_committed"] for r in ranks)
     assert [r["restored"] for r in ranks] == [[[2.0] * 3, 11]] * 2
-    assert [r["synced"] for r in ranks] == [[[2.0] * 3, 11]] * 2
+    assert [r["synced"] for r in ranks] == [[[2.0] * 3, 111, 8]] * 2
     assert ranks[0]["model_after_sync"] == ranks[1]["model_after_sync"]
+    assert [round(r["bias_moved"], 5) for r in ranks] == [3.0, 3.0]  # rank 1's parameters won

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.tools.doctor import (DoctorError, Host, bus_bandwidth, compare_hosts, parse_hosts, parse_sizes,
+from hvdtrain.tools.allreduce import bus_bandwidth
+from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, parse_hosts, parse_sizes,
                              read_hostfile)
 
 

@@ -1,0 +1,138 @@
+"""Dotted keys on nested dataclasses: typed values, and the nearest valid key for a mistyped one.
+
+The machinery under config.py: ``set_key(cfg, "train.epochs", "3", from_text=True)`` coerces the
+text to the field's type or raises a one-line ``ConfigError`` naming the key and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as one line for the user."""
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
+    """Turn ``value`` into ``tp`` or raise a one-line ConfigError naming ``key``."""
+
+    def bad() -> ConfigError:
+        return ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
+
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        text = str(value) if from_text or isinstance(value, str) else value
+        if text not in choices:
+            raise bad()
+        return text
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return str(value).lower() in ("true", "yes", "1", "on")
+        raise bad()
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        if value is None:
+            return ""
+        raise bad()
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def set_key(cfg: Any, dotted: str, value: Any, from_text: bool) -> None:
+    parts = dotted.split(".")
+    node = cfg
+    for depth, name in enumerate(parts):
+        types = field_types(type(node))
+        prefix = ".".join(parts[:depth])
+        if name not in types:
+            where = f" in '{prefix}'" if prefix else ""
+            raise ConfigError(f"unknown config key '{dotted}' (valid keys{where}: {', '.join(sorted(types))})"
+                              + did_you_mean(type(cfg), dotted))
+        tp = types[name]
+        last = depth == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config key '{dotted}' is a section; set its keys ({', '.join(sorted(field_types(tp)))})")
+                for sub_key, sub_value in value.items():
+                    set_key(cfg, f"{dotted}.{sub_key}", sub_value, from_text)
+                return
+            node = getattr(node, name)
+        else:
+            if not last:
+                raise ConfigError(f"config key '{'.'.join(parts[:depth + 1])}' is a value, not a section")
+            setattr(node, name, coerce(dotted, value, tp, from_text))
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key, sections included ('train' and 'train.epochs'), in declaration order."""
+    keys = []
+    for name, tp in field_types(cls).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            keys += all_keys(tp, f"{prefix}{name}.")
+    return keys
+
+
+def suggest_keys(root: type, dotted: str, limit: int = 2) -> list[str]:
+    """The valid keys nearest to a mistyped one, best first; empty when none is near.
+
+    A right key in the wrong section or without its section ('train.base_lr', 'batch_size') is
+    found by its last part. Otherwise the whole dotted key is compared with the keys of as many
+    parts, so that a typo in the section ('trian.epochs') is found as well as one in the key
+    ('train.epoch'). Only matches about as close as the best are kept: a list of far guesses
+    would hide the one that helps.
+    """
+    keys = [key for key in all_keys(root) if key != dotted]
+    leaf = dotted.rsplit(".", 1)[-1]
+    same_leaf = [key for key in keys if key.rsplit(".", 1)[-1] == leaf]
+    same_depth = [key for key in keys if key.count(".") == dotted.count(".")]
+    scored = sorted(((difflib.SequenceMatcher(None, dotted, key).ratio(), key) for key in same_depth),
+                    reverse=True)
+    best = scored[0][0] if scored else 0.0
+    close = [key for score, key in scored if score >= 0.7 and score >= best - 0.1]
+    return list(dict.fromkeys(same_leaf + close))[:limit]
+
+
+def did_you_mean(root: type, dotted: str) -> str:
+    """'; did you mean 'a'?' for an unknown key, or nothing when no valid key is near."""
+    found = suggest_keys(root, dotted)
+    return f"; did you mean {' or '.join(repr(key) for key in found)}?" if found else ""
