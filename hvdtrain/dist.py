@@ -16,13 +16,13 @@ import torch
 
 import horovod.torch as hvd
 from horovod.common.elastic import State as ElasticStateBase
-from horovod.common.exceptions import HorovodInternalError
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.torch.optimizer import _DistributedAdasumOptimizer, _DistributedOptimizer
 
 from .config import ConfigError
 
 Compression = hvd.Compression
-__all__ = ["HorovodInternalError", "ElasticStateBase"]
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
 # hvd.DistributedOptimizer builds a new class from the wrapped optimizer's class and a copy of one
 # of these classes' methods (it is not a subclass of them): their synchronize() marks it.
 _SYNCHRONIZE_METHODS = (_DistributedOptimizer.synchronize, _DistributedAdasumOptimizer.synchronize)

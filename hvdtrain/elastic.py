@@ -110,6 +110,20 @@ class ElasticState(dist.ElasticStateBase):
         if self.samples is not None:
             self.samples.discard()
 
+    def check_host_updates(self) -> None:
+        """Horovod's check, except that a reset always synchronizes the state.
+
+        Horovod skips the synchronization when hosts were only removed. But the notice of a removal
+        can arrive after the driver has already added a host back: the reset then starts a new
+        worker, which always synchronizes, while the others skip it and go on training, and the job
+        hangs with the newcomer in a broadcast and the others in an allreduce (seen in the elastic
+        test, with the stack of both processes). One broadcast of the state per reset is cheap.
+        """
+        try:
+            super().check_host_updates()
+        except dist.HostsUpdatedInterrupt:
+            raise dist.HostsUpdatedInterrupt(skip_sync=False) from None
+
     def sync(self) -> None:
         """Every rank takes the state of the rank that has trained furthest.
 
