@@ -269,12 +269,6 @@ def elastic_run(func):
     return hvd.elastic.run(func)
 
 
-def launcher_env() -> dict[str, str]:
-    """The rank variables the launcher set, for diagnostics (horovodrun, mpirun or srun)."""
-    keys = RANK_VARIABLES + SIZE_VARIABLES + LOCAL_RANK_VARIABLES
-    return {key: os.environ[key] for key in keys if key in os.environ}
-
-
 def shutdown() -> None:
     if hvd.is_initialized():
         hvd.shutdown()

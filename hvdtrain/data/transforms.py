@@ -8,7 +8,6 @@ batches on the training device.
 from __future__ import annotations
 
 import torch
-from torchvision import transforms
 
 from ..config import DataConfig
 from .decode import CenterCrop, TrainCrop, Transform
@@ -22,30 +21,14 @@ def val_resize_size(data: DataConfig) -> int:
 
 
 def fast_train_transform(data: DataConfig) -> Transform:
-    """Encoded bytes -> uint8 crop; the same augmentation as ``train_transform``, decoded faster."""
+    """Encoded bytes -> uint8 crop: torchvision's RandomResizedCrop + horizontal flip, decoded faster
+    (``data/decode.py``); without ``data.augment``, the evaluation crop."""
     return TrainCrop(data.image_size) if data.augment else fast_eval_transform(data)
 
 
 def fast_eval_transform(data: DataConfig) -> Transform:
+    """Encoded bytes -> uint8 center crop after a resize to ``val_resize_size``."""
     return CenterCrop(data.image_size, val_resize_size(data))
-
-
-def train_transform(data: DataConfig) -> transforms.Compose:
-    if not data.augment:
-        return eval_transform(data)
-    return transforms.Compose([
-        transforms.RandomResizedCrop(data.image_size),
-        transforms.RandomHorizontalFlip(),
-        transforms.PILToTensor(),
-    ])
-
-
-def eval_transform(data: DataConfig) -> transforms.Compose:
-    return transforms.Compose([
-        transforms.Resize(val_resize_size(data)),
-        transforms.CenterCrop(data.image_size),
-        transforms.PILToTensor(),
-    ])
 
 
 class DeviceNormalizer:

@@ -4,6 +4,7 @@ Usage (under any launcher): probe.py OUT_DIR [--config FILE] [key=value ...]
 Writes OUT_DIR/rank<r>.pt with the rank's final parameters, world layout and metrics.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from hvdtrain.cli import run_training, train_parser
 from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
 from hvdtrain.run import Preempted
+
+def launcher_env() -> dict[str, str]:
+    """The rank variables the launcher set (horovodrun, mpirun or srun)."""
+    keys = dist.RANK_VARIABLES + dist.SIZE_VARIABLES + dist.LOCAL_RANK_VARIABLES
+    return {key: os.environ[key] for key in keys if key in os.environ}
+
 
 def main() -> None:
     out = Path(sys.argv[1])
@@ -27,7 +34,7 @@ def main() -> None:
         "state": unwrap_state_dict(run.state.model),
         "rank": dist.rank(), "size": dist.size(), "local_rank": dist.local_rank(),
         "controller": dist.controller(), "metrics": metrics, "step": run.state.position.step,
-        "launcher_env": dist.launcher_env(),
+        "launcher_env": launcher_env(),
     }, out / f"rank{dist.rank()}.pt")
 
 
