@@ -8,6 +8,7 @@ key and what would have been valid.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,8 @@ from .keys import ConfigError, field_types, set_key, type_name
 __all__ = ["Config", "ConfigError", "load_config", "apply_override", "from_dict", "to_dict", "dump_yaml", "validate"]
 
 PACKAGED_CONFIGS = Path(__file__).parent / "configs"
+# The tasks that ship with hvdtrain: config name -> "module:Class" (hvdtrain/tasks).
+TASKS = {"image_classification": "hvdtrain.tasks.image_classification:ImageClassification"}
 
 
 @dataclass
@@ -220,6 +223,11 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
 
 def validate(cfg: Config) -> None:
     """Cross-field and range checks, each failing with one line."""
+    if cfg.task not in TASKS and ":" not in cfg.task:
+        close = difflib.get_close_matches(cfg.task, TASKS, n=1)
+        raise ConfigError(f"config key 'task': unknown task '{cfg.task}' ("
+                          + (f"did you mean '{close[0]}'?" if close else
+                             f"one of {', '.join(TASKS)}, or module:Class of your own") + ")")
     positive = {
         "train.epochs": cfg.train.epochs,
         "train.batch_size": cfg.train.batch_size,

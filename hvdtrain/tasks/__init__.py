@@ -19,13 +19,8 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import TASKS, Config, ConfigError
 from ..data.loaders import Loaders
-
-# Name -> "module:Class" of the tasks that ship with hvdtrain.
-REGISTRY = {
-    "image_classification": "hvdtrain.tasks.image_classification:ImageClassification",
-}
 
 
 @dataclass
@@ -107,11 +102,11 @@ REQUIRED = ("build_loaders", "build_model", "to_device", "loss", "metric_sums", 
 
 def task_class(name: str) -> type[Task]:
     """The class a ``task`` config value names: a registered name, or ``module:Class``."""
-    target = REGISTRY.get(name)
+    target = TASKS.get(name)
     if target is None:
         if ":" not in name:
-            close = difflib.get_close_matches(name, REGISTRY, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"known tasks: {', '.join(REGISTRY)}"
+            close = difflib.get_close_matches(name, TASKS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known tasks: {', '.join(TASKS)}"
             raise ConfigError(f"config key 'task': unknown task '{name}' ({hint})")
         target = name
     module_name, _, class_name = target.partition(":")
