@@ -1,11 +1,22 @@
 """SyncBatchNorm's arithmetic, checked in one process by simulating the ranks' collectives."""
 
+import pytest
 import torch
 
 from hvdtrain import sync_bn
 
 
-def test_two_shards_match_batchnorm_over_the_whole_batch(monkeypatch):
+@pytest.fixture
+def float64():
+    """In float64 (SyncBN keeps the input's precision above float32), so that the tolerances sit
+    far above rounding on any processor and thread count."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def test_two_shards_match_batchnorm_over_the_whole_batch(monkeypatch, float64):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 5, 5) * 3 + 1
     weight = torch.randn(3)
@@ -48,9 +59,10 @@ def test_two_shards_match_batchnorm_over_the_whole_batch(monkeypatch):
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
         outputs.append(layer(shard))
-    torch.testing.assert_close(torch.cat(outputs), expected.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layers[0].running_var, reference.running_var, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(layers[1].running_mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+    assert outputs[0].dtype == torch.float64
+    torch.testing.assert_close(torch.cat(outputs), expected.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layers[0].running_var, reference.running_var, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layers[1].running_mean, reference.running_mean, rtol=1e-10, atol=1e-12)
 
     # Backward: the allreduced sums are the sums over both shards.
     total_dy = upstream.sum([0, 2, 3])
@@ -58,7 +70,7 @@ def test_two_shards_match_batchnorm_over_the_whole_batch(monkeypatch):
     pending_total = torch.cat([total_dy, (upstream * x_hat).sum([0, 2, 3])])
     for output, up in zip(outputs, (upstream[:4], upstream[4:])):
         (output * up).sum().backward()
-    torch.testing.assert_close(torch.cat([s.grad for s in shards]), xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat([s.grad for s in shards]), xr.grad, rtol=1e-9, atol=1e-11)
     # Parameter gradients stay local; the distributed optimizer sums/averages them like any other.
     torch.testing.assert_close(layers[0].weight.grad + layers[1].weight.grad, reference.weight.grad,
-                               rtol=1e-4, atol=1e-5)
+                               rtol=1e-9, atol=1e-11)
