@@ -5,8 +5,9 @@ unpickles code. Writing goes to a temporary file in the same folder, which is fl
 and renamed over the target: a crash mid-write leaves the previous good file in place.
 
 Layout under ``<output.dir>/checkpoints``: ``step-00001234.pt`` (the newest ``checkpoint.keep``
-of them), ``last.pt`` (the newest) and ``best.pt`` (best validation top-1), the latter two as hard
-links to a numbered file where the file system allows it, so each checkpoint is written once.
+of them), ``last.pt`` (the newest) and ``best.pt`` (the best value of the task's validation
+metric), the latter two as hard links to a numbered file where the file system allows it, so each
+checkpoint is written once.
 """
 
 from __future__ import annotations

@@ -138,13 +138,13 @@ class ElasticState(dist.ElasticStateBase):
         self.saved = self.snapshot()
 
 
-def epoch_steps(cfg: Config, images: int, global_batch: int) -> int:
-    """Steps to train ``images`` images: the last one partial (smaller per-rank batches) when there
+def epoch_steps(cfg: Config, samples: int, global_batch: int) -> int:
+    """Steps to train ``samples`` samples: the last one partial (smaller per-rank batches) when there
     is a remainder, so that none is left out. With several backward passes per step a partial step
     would leave an allreduce waiting for passes that never come: the remainder is dropped then."""
     if cfg.train.backward_passes_per_step == 1:
-        return math.ceil(images / global_batch)
-    return images // global_batch
+        return math.ceil(samples / global_batch)
+    return samples // global_batch
 
 
 def reconfigure(run: Run) -> int:
