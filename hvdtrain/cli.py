@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from . import launcher
 from .config import (PACKAGED_CONFIGS, Config, ConfigError, apply_override, dump_yaml, from_dict, load_config,
                      validate)
 from .data import DataError
@@ -31,21 +32,16 @@ class UsageError(Exception):
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix: reported in one line, without a traceback.
 
-    CheckpointError is imported only once something failed: its module imports torch.
+    A CheckpointError can only come from hvdtrain.checkpoint once it is loaded; importing it just
+    to name the class would load torch on the way to a one-line usage error.
     """
-    from .checkpoint import CheckpointError
-
-    return (UsageError, ConfigError, DataError, CheckpointError)
+    checkpoint = sys.modules.get(f"{__package__}.checkpoint")
+    return (UsageError, ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
 
 def launcher_rank() -> int:
-    """This process's rank (as the launcher set it, before Horovod is initialized).
-
-    ``dist`` imports torch and Horovod, so it is imported only when a rank is asked for.
-    """
-    from . import dist
-
-    return dist.rank()
+    """This process's rank as the launcher set it (Horovod is not initialized yet, nor imported)."""
+    return launcher.rank()
 
 
 def run_training(cfg: Config):

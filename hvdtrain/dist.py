@@ -19,6 +19,7 @@ from horovod.common.elastic import State as ElasticStateBase
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.torch.optimizer import _DistributedAdasumOptimizer, _DistributedOptimizer
 
+from . import launcher
 from .config import ConfigError
 
 Compression = hvd.Compression
@@ -27,11 +28,6 @@ __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
 # of these classes' methods (it is not a subclass of them): their synchronize() marks it.
 _SYNCHRONIZE_METHODS = (_DistributedOptimizer.synchronize, _DistributedAdasumOptimizer.synchronize)
 
-# The variables launchers set, first match wins: horovodrun, Open MPI's mpirun, PMIx (srun
-# --mpi=pmix), MPICH/PMI, Slurm.
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-LOCAL_RANK_VARIABLES = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 # Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
 CudaSyncBatchNorm = hvd.SyncBatchNorm
 
@@ -100,30 +96,21 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
         hvd.init()
 
 
-def _from_launcher(names: tuple[str, ...], default: int) -> int:
-    for name in names:
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            continue
-    return default
-
-
 def initialized() -> bool:
     return bool(hvd.is_initialized())
 
 
 def rank() -> int:
     """This process's rank; before ``init()``, as the launcher set it (0 without a launcher)."""
-    return hvd.rank() if initialized() else _from_launcher(RANK_VARIABLES, 0)
+    return hvd.rank() if initialized() else launcher.rank()
 
 
 def size() -> int:
-    return hvd.size() if initialized() else _from_launcher(SIZE_VARIABLES, 1)
+    return hvd.size() if initialized() else launcher.size()
 
 
 def local_rank() -> int:
-    return hvd.local_rank() if initialized() else _from_launcher(LOCAL_RANK_VARIABLES, 0)
+    return hvd.local_rank() if initialized() else launcher.local_rank()
 
 
 def local_size() -> int:

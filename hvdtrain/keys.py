@@ -45,25 +45,17 @@ def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
         if from_text and str(value).lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
             return str(value).lower() in ("true", "yes", "1", "on")
         raise bad()
-    if tp is int:
+    if tp in (int, float):
+        # An int field takes ints only (3.0 is refused); a float field takes ints too. Text is
+        # parsed, which also covers YAML 1.1 reading "1e-4" as a string.
+        exact = (int,) if tp is int else (int, float)
         if isinstance(value, bool):
             raise bad()
-        if isinstance(value, int):
-            return value
+        if isinstance(value, exact):
+            return tp(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                raise bad() from None
-        raise bad()
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                return float(value)
+                return tp(value)
             except ValueError:
                 raise bad() from None
         raise bad()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain import dist, launcher
 from hvdtrain.cli import run_training, train_parser
 from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
@@ -18,7 +18,7 @@ from hvdtrain.run import Preempted
 
 def launcher_env() -> dict[str, str]:
     """The rank variables the launcher set (horovodrun, mpirun or srun)."""
-    keys = dist.RANK_VARIABLES + dist.SIZE_VARIABLES + dist.LOCAL_RANK_VARIABLES
+    keys = launcher.RANK_VARIABLES + launcher.SIZE_VARIABLES + launcher.LOCAL_RANK_VARIABLES
     return {key: os.environ[key] for key in keys if key in os.environ}
 
 

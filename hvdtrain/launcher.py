@@ -1,0 +1,36 @@
+"""This process's place in the job as the launcher set it, before Horovod is initialized.
+
+Light on purpose (no torch, no Horovod): the CLI reads it to print a usage error or a config on
+one rank only, and ``dist`` falls back to it until ``init()``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The variables launchers set, first match wins: horovodrun, Open MPI's mpirun, PMIx (srun
+# --mpi=pmix), MPICH/PMI, Slurm.
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARIABLES = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+
+
+def _first(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return default
+
+
+def rank() -> int:
+    return _first(RANK_VARIABLES, 0)
+
+
+def size() -> int:
+    return _first(SIZE_VARIABLES, 1)
+
+
+def local_rank() -> int:
+    return _first(LOCAL_RANK_VARIABLES, 0)
