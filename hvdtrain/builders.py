@@ -74,9 +74,10 @@ def build_model(cfg: Config, task: Task, device: torch.device, dtype: torch.dtyp
     model = task.build_model()
     if cfg.model.sync_bn:
         model = convert_sync_batchnorm(model, cuda=device.type == "cuda")
-    # channels_last suits convolutions on the GPU (tensor cores); on the CPU it is slower here.
-    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    model = model.to(device, dtype=dtype, memory_format=memory_format)
+    # Parameters stay contiguous: Horovod refuses to broadcast or allreduce a channels_last tensor
+    # ("Tensor is required to be contiguous"). The inputs are channels_last on the GPU
+    # (DeviceNormalizer), and a convolution with a channels_last input runs channels_last.
+    model = model.to(device, dtype=dtype)
     if cfg.runtime.compile:
         # Module.compile() compiles forward in place: parameter names and state-dict keys stay
         # unprefixed, so the optimizer, broadcasts and checkpoints are unchanged.

@@ -49,7 +49,7 @@ class DataConfig:
     synthetic: bool = False
     """Random tensors instead of files, for benchmarking the model and communication."""
     synthetic_samples: int = 1281167
-    """Training samples per epoch with synthetic data (ImageNet-1k size by default)."""
+    """Training samples per epoch with synthetic data (ImageNet-1k size by default); validation gets ImageNet's proportion (50000 at the default)."""
     workers: int = 4
     """DataLoader worker processes per rank (0 = load in the training process)."""
     mp_context: Literal["forkserver", "spawn", "fork"] = "forkserver"
@@ -102,6 +102,12 @@ class DistConfig:
     """Gradient reduction."""
     timeout_seconds: int = 45
     """Stop the job, naming the lost rank, when no training step completes for this long; 0 = never."""
+    straggler_threshold: float = 0.15
+    """Name a rank whose busy time per step (data + compute + optimizer) exceeds the median rank's by more than this; 0 = off."""
+    stall_warning_seconds: int = 60
+    """Horovod's stall inspector: warn when some ranks have not submitted a tensor the others wait on for this long; 0 = off."""
+    stall_shutdown_seconds: int = 0
+    """Horovod's stall inspector: shut the job down after a stall this long (above stall_warning_seconds); 0 = never."""
 
 
 @dataclass
@@ -122,6 +128,14 @@ class RuntimeConfig:
     """Let cuDNN pick the fastest convolution algorithms (fixed input sizes)."""
     compile: bool = False
     """Compile the model with torch.compile (slower start; measure with hvdtrain bench)."""
+    phase_timing: bool = True
+    """Time each step's phases (data wait, forward+backward, allreduce wait, optimizer) per rank, and name stragglers."""
+    stats_interval: float = 1.0
+    """Seconds between samples of each rank's CPU, memory and (with NVML) GPU use, averaged per epoch; 0 = off."""
+    timeline: str = ""
+    """Write Horovod's timeline (Chrome trace JSON, with cycle marks) to this file; empty = off."""
+    timeline_steps: str = ""
+    """Global steps to record in the timeline, as START-END (e.g. 100-120); empty = the whole run."""
 
 
 @dataclass
@@ -253,6 +267,10 @@ def validate(cfg: Config) -> None:
         "optim.weight_decay": cfg.optim.weight_decay,
         "optim.label_smoothing": cfg.optim.label_smoothing,
         "optim.clip_grad_norm": cfg.optim.clip_grad_norm,
+        "dist.straggler_threshold": cfg.dist.straggler_threshold,
+        "runtime.stats_interval": cfg.runtime.stats_interval,
+        "dist.stall_warning_seconds": cfg.dist.stall_warning_seconds,
+        "dist.stall_shutdown_seconds": cfg.dist.stall_shutdown_seconds,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -265,6 +283,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'output.dir' must not be empty")
     if cfg.model.dtype == "float64" and cfg.amp.enabled:
         raise ConfigError("model.dtype=float64 and amp.enabled=true exclude each other (set amp.enabled=false)")
+    stall = cfg.dist
+    if stall.stall_shutdown_seconds and stall.stall_shutdown_seconds <= stall.stall_warning_seconds:
+        raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
+                          f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
+    step_range(cfg.runtime.timeline_steps)
+    if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
+        raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
+
+
+def step_range(text: str) -> tuple[int, int] | None:
+    """``runtime.timeline_steps``: "START-END" (global steps, END excluded) -> (start, end); "" -> None."""
+    if not text:
+        return None
+    start, dash, end = text.partition("-")
+    if not (dash and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end)):
+        raise ConfigError(f"config key 'runtime.timeline_steps': expected START-END with START < END, "
+                          f"e.g. 100-120, got '{text}'")
+    return int(start), int(end)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

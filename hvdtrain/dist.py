@@ -79,21 +79,47 @@ def check_elastic_env() -> None:
             f"crashes the job; unset {ELASTIC_UNSAFE_ENV} (and leave out horovodrun --cycle-time-ms) for elastic runs")
 
 
-def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = False) -> None:
+def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = False,
+         stall_warning_seconds: int | None = None, stall_shutdown_seconds: int = 0, timeline: bool = False) -> None:
     """Initialize Horovod once (idempotent), after hvdtrain's environment defaults for ``gpu`` (None:
     whether CUDA is available).
 
     A Gloo collective gives up after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default); a longer
     ``timeout_seconds`` raises it so that slow but healthy phases are not cut short. Settings the
     user exported win, except those an ``elastic`` run cannot survive (a one-line error).
+
+    ``stall_warning_seconds`` / ``stall_shutdown_seconds`` set Horovod's stall inspector (None:
+    leave it as the environment has it; 0 warning seconds turns it off). ``timeline`` lets
+    ``start_timeline`` record a timeline later (HOROVOD_TIMELINE=DYNAMIC).
     """
     if elastic:
         check_elastic_env()
     if timeout_seconds > 30:
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
+    if stall_warning_seconds is not None:
+        os.environ.update(stall_inspector_env(stall_warning_seconds, stall_shutdown_seconds))
+    if timeline:
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
     if not hvd.is_initialized():
         apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu, elastic=elastic)
         hvd.init()
+
+
+def stall_inspector_env(warning_seconds: int, shutdown_seconds: int) -> dict[str, str]:
+    """Horovod's variables for the stall inspector (read by every rank at ``hvd.init``)."""
+    if warning_seconds <= 0:
+        return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    return {"HOROVOD_STALL_CHECK_DISABLE": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": str(warning_seconds),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(shutdown_seconds)}
+
+
+def start_timeline(path: str, mark_cycles: bool = True) -> None:
+    """Record Horovod's timeline (Chrome trace JSON, written by rank 0) from now on; every rank calls it."""
+    hvd.start_timeline(path, mark_cycles=mark_cycles)
+
+
+def stop_timeline() -> None:
+    hvd.stop_timeline()
 
 
 def initialized() -> bool:

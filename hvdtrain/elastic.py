@@ -210,7 +210,11 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
                 if position.step % cfg.elastic.commit_every_steps == 0:
                     es.train_sums = epoch_sums()
                     es.commit()
+                if run.timeline is not None:
+                    run.timeline.at_step(position.step)
 
+            if run.stats is not None:
+                run.stats.take_epoch()  # the epoch's statistics cover its training
             train_metrics = train_one_epoch(state, run.settings, loaders.train, steps, dist.allreduce_sum,
                                             on_step=after_step, should_stop=stop.agreed, sums=sums)
             train_metrics.update(run.task.summarize(epoch_sums()))  # the whole epoch, across resets
@@ -225,6 +229,10 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
         with stop.installed():
             loop(elastic_state)
     finally:
+        if run.timeline is not None:
+            run.timeline.close()
+        if run.stats is not None:
+            run.stats.stop()
         shutdown_workers(run.loaders.train, run.loaders.val)
         for out in outputs:
             out.close()

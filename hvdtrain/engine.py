@@ -18,6 +18,7 @@ import torch
 from . import dist
 from .metrics import MetricSums
 from .optim import LRSchedule, set_lr
+from .phases import GPU_SAMPLE_EVERY, NO_CLOCK, StepClock
 from .state import RunState
 from .tasks import Task
 
@@ -35,6 +36,7 @@ class StepSettings:
     amp_dtype: torch.dtype | None = None       # None = no autocast
     clip_grad_norm: float = 0.0
     backward_passes_per_step: int = 1
+    phase_timing: bool = True                  # time each step's phases (phases.py)
 
     def lr_at(self, state: RunState) -> float:
         """The rate for the next step: a function of the position in the epoch, so that it stays
@@ -47,32 +49,40 @@ class StepSettings:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
+    def step_clock(self) -> StepClock:
+        """A clock for one epoch's phases: every step on CPU; on CUDA one step in
+        ``GPU_SAMPLE_EVERY``, waiting for the device at each boundary of those steps."""
+        if self.device.type == "cuda":
+            device = self.device
+            return StepClock(lambda: torch.cuda.synchronize(device), GPU_SAMPLE_EVERY, self.phase_timing)
+        return StepClock(enabled=self.phase_timing)
 
-def optimizer_step(state: RunState, settings: StepSettings) -> None:
-    """Apply the accumulated, allreduced gradients.
 
-    With a GradScaler the order is the only correct one for Horovod: wait for the allreduce
+def optimizer_step(state: RunState, settings: StepSettings, clock: StepClock = NO_CLOCK) -> None:
+    """Wait for the gradient allreduce, then apply the averaged gradients.
+
+    The order is the only correct one for Horovod with a GradScaler: wait for the allreduce
     (``synchronize``), unscale the averaged gradients, clip, then step without a second
     synchronization and update the scale. Every rank sees the same averaged gradients, so every
-    rank takes the same decision to skip a step on inf/NaN.
+    rank takes the same decision to skip a step on inf/NaN. (Without a scaler or clipping this is
+    what Horovod's own ``step()`` does, with the wait made visible to ``clock``.)
     """
     optimizer, scaler = state.optimizer, state.scaler
-    if scaler is not None or settings.clip_grad_norm > 0:
-        dist.synchronize(optimizer)
+    dist.synchronize(optimizer)
+    clock.lap("allreduce")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if settings.clip_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(state.model.parameters(), settings.clip_grad_norm)
+    with dist.skip_synchronize(optimizer):
         if scaler is not None:
-            scaler.unscale_(optimizer)
-        if settings.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(state.model.parameters(), settings.clip_grad_norm)
-        with dist.skip_synchronize(optimizer):
-            if scaler is not None:
-                scaler.step(optimizer)
-            else:
-                optimizer.step()
-        if scaler is not None:
-            scaler.update()
-    else:
-        optimizer.step()
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+    if scaler is not None:
+        scaler.update()
     optimizer.zero_grad()
+    clock.lap("optimizer")
 
 
 def train_one_epoch(
@@ -91,29 +101,34 @@ def train_one_epoch(
     boundary (it must give the same answer on every rank) and ends the epoch early. Returns global
     metrics over the steps run: the task's metrics (loss, samples, ...), seconds, samples_per_sec,
     lr, data_wait_fraction (time waiting for the next batch over the wall time, averaged over
-    ranks), steps (the steps run) and stopped. ``sums``, when given, is where this rank's metric
-    sums accumulate (the caller may read them between steps).
+    ranks), steps (the steps run), stopped, and ``rank_phases``: this rank's seconds per step by
+    phase (``StepClock.summary``; not reduced: run.end_epoch gathers them). ``sums``, when given,
+    is where this rank's metric sums accumulate (the caller may read them between steps).
     """
     task, model, position = settings.task, state.model, state.position
     model.train()
     sums = MetricSums(len(task.sum_fields)) if sums is None else sums
     passes = settings.backward_passes_per_step
     iterator: Iterator = iter(batches)
+    clock = settings.step_clock()
     data_seconds = 0.0
     stopped = False
     first_step = position.step_in_epoch
     start = time.perf_counter()
     lr = settings.lr_at(state)
     while position.step_in_epoch < steps:
+        clock.begin()
         if should_stop is not None and should_stop():
             stopped = True
             break
         lr = settings.lr_at(state)
         set_lr(state.optimizer, lr)
+        clock.lap("other")
         for _ in range(passes):
             fetch_start = time.perf_counter()
             inputs, targets = task.to_device(next(iterator), settings.device, settings.dtype)
             data_seconds += time.perf_counter() - fetch_start
+            clock.lap("data")
             with settings.autocast():
                 outputs = model(inputs)
                 loss = task.loss(outputs, targets, training=True)
@@ -123,17 +138,19 @@ def train_one_epoch(
                 state.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
-        optimizer_step(state, settings)
+            clock.lap("compute")
+        optimizer_step(state, settings, clock)
         position.step += 1
         position.step_in_epoch += 1
         if on_step is not None:
             on_step(state)
+        clock.end()
     seconds = time.perf_counter() - start
     metrics: dict[str, Any] = task.summarize(sums.reduced(allreduce_sum))
     wait = allreduce_sum(torch.tensor([data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
     metrics.update(seconds=seconds, lr=lr, samples_per_sec=metrics["samples"] / max(seconds, 1e-9),
                    data_wait_fraction=float(wait[0] / wait[1]), steps=position.step_in_epoch - first_step,
-                   stopped=stopped)
+                   stopped=stopped, rank_phases=clock.summary())
     add_bad_files(metrics, batches, allreduce_sum)
     return metrics
 

@@ -7,7 +7,9 @@ elastic.py both import this module.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,16 +17,17 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, dist
+from . import checkpoint, dist, phases
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
-from .config import Config, dump_yaml, to_dict
+from .config import Config, dump_yaml, step_range, to_dict
 from .data.loaders import Loaders
 from .engine import StepSettings, evaluate
 from .metrics import MetricsWriter
 from .optim import LRSchedule
 from .preemption import StopRequest
 from .state import RunState
+from .sysstats import StatsSampler, across_ranks
 from .tasks import Task, build_task
 from .watchdog import LivenessService, Peer, Watchdog, lost_message
 
@@ -51,12 +54,45 @@ class Run:
     peers: list[Peer] = field(default_factory=list)
     liveness: LivenessService | None = None
     start_epoch: int = 0
+    timeline: TimelineWindow | None = None
+    stats: StatsSampler | None = None
+
+
+class TimelineWindow:
+    """Horovod's timeline for the whole run, or for the global steps [start, end) of
+    ``runtime.timeline_steps``: ``at_step(step)`` before every step, ``close()`` at the end."""
+
+    def __init__(self, path: str, steps: tuple[int, int] | None):
+        self.path, self.steps = path, steps
+        self.recording = self.done = False
+
+    def at_step(self, step: int) -> None:
+        if self.done:
+            return
+        start, end = self.steps if self.steps else (0, None)
+        if not self.recording and step >= start and (end is None or step < end):
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            dist.start_timeline(self.path, mark_cycles=True)
+            self.recording = True
+            log(f"hvdtrain: recording Horovod's timeline to {self.path} from global step {step}"
+                + (f" to {end}" if end is not None else ""))
+        elif self.recording and end is not None and step >= end:
+            self.close()
+
+    def close(self) -> None:
+        if self.recording:
+            dist.stop_timeline()
+            log(f"hvdtrain: timeline written to {self.path} (open it in Perfetto, ui.perfetto.dev, "
+                f"or chrome://tracing)")
+        self.recording, self.done = False, True
 
 
 def setup(cfg: Config) -> Run:
     """Everything before the first step, identical on every rank (no checkpoint loaded yet)."""
     elastic = cfg.elastic.enabled
-    dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic)
+    dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
+              stall_warning_seconds=cfg.dist.stall_warning_seconds,
+              stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
     liveness, peers = build_peers(elastic)
     if not dist.is_primary():
         warnings.filterwarnings("ignore")
@@ -76,10 +112,15 @@ def setup(cfg: Config) -> Run:
     state = RunState(model, build_optimizer(cfg, model, schedule, device), scaler)
     settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                             clip_grad_norm=cfg.optim.clip_grad_norm,
-                            backward_passes_per_step=cfg.train.backward_passes_per_step)
+                            backward_passes_per_step=cfg.train.backward_passes_per_step,
+                            phase_timing=cfg.runtime.phase_timing)
     run = Run(cfg=cfg, task=task, state=state, settings=settings, loaders=loaders, steps_per_epoch=steps_per_epoch,
               global_batch=global_batch, run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
-              watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()))
+              watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
+              timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
+              if cfg.runtime.timeline else None,
+              stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
+              if cfg.runtime.stats_interval > 0 else None)
 
     world_size, passes = dist.size(), cfg.train.backward_passes_per_step
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
@@ -205,6 +246,7 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
               watch: bool = True) -> dict[str, Any]:
     """Average buffers, validate, checkpoint and log one finished epoch (every rank)."""
     state, task = run.state, run.task
+    add_rank_report(run, train_metrics)
     dist.average_buffers(state.model)
     if watch:
         run.watchdog.beat()
@@ -226,11 +268,44 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": step}
 
 
+def add_rank_report(run: Run, train_metrics: dict[str, Any]) -> None:
+    """Every rank's step phases and host statistics -> the epoch's figures in ``train_metrics``
+    (phase fractions, CPU/memory/GPU use, ``by_rank``), and the stragglers, which rank 0 logs.
+    A collective."""
+    mine: dict[str, Any] = {"rank": dist.rank(), "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()}
+    phase_seconds = train_metrics.pop("rank_phases", None)
+    if run.cfg.runtime.phase_timing and phase_seconds is not None:
+        mine["phases"] = phase_seconds
+    if run.stats is not None:
+        mine["stats"] = run.stats.take_epoch()
+    if len(mine) == 2:
+        return
+    ranks = dist.allgather_object(mine, name="hvdtrain.rank_report")
+    by_rank: dict[int, dict[str, Any]] = {r["rank"]: {"rank": r["rank"], "host": r["host"]} for r in ranks}
+    if run.stats is not None:
+        train_metrics.update(across_ranks([r["stats"] for r in ranks]))
+        for r in ranks:
+            by_rank[r["rank"]].update({k: round(v, 4) for k, v in r["stats"].items() if k != "stats_samples"})
+    if "phases" in mine:
+        timed = [{**r["phases"], "rank": r["rank"], "host": r["host"]} for r in ranks]
+        phase_figures = phases.epoch_phases(timed)
+        for row in phase_figures.pop("by_rank", []):
+            by_rank[row["rank"]].update(row)
+        train_metrics.update(phase_figures)
+        stragglers = phases.find_stragglers(timed, run.cfg.dist.straggler_threshold)
+        if stragglers:
+            train_metrics["stragglers"] = stragglers
+        for straggler in stragglers:
+            log(phases.straggler_line(straggler))
+    train_metrics["by_rank"] = [by_rank[rank] for rank in sorted(by_rank)]
+
+
 def epoch_line(run: Run, epoch: int, train: dict, val: dict) -> str:
     unit = getattr(run.task, "unit", "samples")
+    allreduce = f"allreduce wait {100 * train['phase_allreduce']:.1f}%, " if "phase_allreduce" in train else ""
     return (f"epoch {epoch + 1}/{run.cfg.train.epochs}  {run.task.epoch_summary(train, val)}  "
             f"| {train['samples_per_sec']:.1f} {unit}/s, data wait {100 * train['data_wait_fraction']:.1f}%, "
-            f"lr {train['lr']:.4g}, {train['seconds']:.1f}s{bad_files_note(train, val)}")
+            f"{allreduce}lr {train['lr']:.4g}, {train['seconds']:.1f}s{bad_files_note(train, val)}")
 
 
 def bad_files_note(train: dict, val: dict) -> str:
@@ -275,6 +350,10 @@ def lost_rank(run: Run, error: Exception) -> LostRank:
 def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
     """Validation metrics of a saved model, on however many ranks this job has."""
     run = setup(cfg)
-    resume_and_broadcast(run, path)
-    return evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum)
+    try:
+        resume_and_broadcast(run, path)
+        return evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum)
+    finally:
+        if run.stats is not None:
+            run.stats.stop()
 

@@ -354,3 +354,18 @@ class StatsSampler:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def across_ranks(ranks: list[Mapping[str, float]]) -> dict[str, float]:
+    """Every rank's ``take_epoch()`` -> the epoch's figures: the mean over ranks of each key (as
+    ``take_epoch`` names them), and ``gpu_util_percent_min``, the least busy GPU (the 95% rule
+    is about every GPU)."""
+    out: dict[str, float] = {}
+    for key in KEYS:
+        values = [float(r[key]) for r in ranks if r.get(key) is not None]
+        if values and key != "stats_samples":
+            out[key] = sum(values) / len(values)
+    utilization = [float(r["gpu_util_percent"]) for r in ranks if r.get("gpu_util_percent") is not None]
+    if utilization:
+        out["gpu_util_percent_min"] = min(utilization)
+    return out

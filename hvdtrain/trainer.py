@@ -11,9 +11,10 @@
                 forward, loss, backward (gradients allreduced while backward runs)
                 optimizer_step: synchronize, unscale, clip, step, update scale
                 after_step: progress line; mid-epoch checkpoint every
-                            checkpoint.every_steps; watchdog.beat()
+                            checkpoint.every_steps; watchdog.beat(); timeline window
             metric sums allreduced (exact, once per epoch)
         end_epoch                                                             (run.py)
+            add_rank_report              every rank's step phases and CPU/GPU use; stragglers named
             dist.average_buffers         BatchNorm statistics averaged over ranks
             evaluate                     every validation sample once, sums allreduced
             save_checkpoint              every rank's RNG and buffers gathered; rank 0 writes
@@ -57,11 +58,15 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
             run.watchdog.disarm()
             save_checkpoint(run, outputs.saver)
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
+        if run.timeline is not None:
+            run.timeline.at_step(position.step)
 
     last: dict[str, Any] = {}
     if run.start_epoch >= cfg.train.epochs:
         log(f"hvdtrain: nothing to do: {run.start_epoch} of {cfg.train.epochs} epochs are done "
             f"(raise train.epochs to train further)")
+    if run.timeline is not None:
+        run.timeline.at_step(position.step)
     try:
         with stop.installed():
             for epoch in range(run.start_epoch, cfg.train.epochs):
@@ -72,6 +77,8 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
                     if cfg.output.progress and dist.is_primary() else None
                 if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
                     run.watchdog.beat()
+                if run.stats is not None:
+                    run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
                 train_metrics = train_one_epoch(state, run.settings, loaders.train, run.steps_per_epoch,
                                                 dist.allreduce_sum, on_step=after_step, should_stop=stop.agreed)
                 run.watchdog.disarm()
@@ -83,6 +90,10 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
     except dist.HorovodInternalError as error:
         raise lost_rank(run, error) from None
     finally:
+        if run.timeline is not None:
+            run.timeline.close()
+        if run.stats is not None:
+            run.stats.stop()
         shutdown_workers(loaders.train, loaders.val)
         outputs.close()
     return run, last

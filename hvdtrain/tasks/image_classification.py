@@ -87,8 +87,11 @@ class ImageClassification(Task):
         if data.synthetic:
             per_rank = data.synthetic_samples // world_size
             train = SyntheticBatches(per_rank // batch, batch, data.image_size, self.num_classes, cfg.seed + rank)
-            val = SyntheticBatches(max(1, 50000 // world_size // batch), batch, data.image_size, self.num_classes,
-                                   cfg.seed + 7919 + rank)
+            # ImageNet's proportion of validation samples (50000 for 1281167), so a short synthetic
+            # epoch is not followed by a long validation.
+            val_samples = round(data.synthetic_samples * 50000 / 1281167)
+            val = SyntheticBatches(max(1, val_samples // world_size // batch), batch, data.image_size,
+                                   self.num_classes, cfg.seed + 7919 + rank)
             return Loaders(train, val, None, per_rank * world_size, 0)
 
         root = dataset_root(cfg, env)

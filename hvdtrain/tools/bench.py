@@ -21,13 +21,15 @@ from typing import Any
 import torch
 
 from ..config import Config, load_config
+from ..phases import LABELS
 
 # Two-sided 95% quantiles of Student's t distribution by degrees of freedom (1..30).
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
          2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
          2.052, 2.048, 2.045, 2.042)
 
-FORCED = ["data.synthetic=true", "checkpoint.resume=never", "output.progress=false", "output.tensorboard=false"]
+FORCED = ["data.synthetic=true", "checkpoint.resume=never", "output.progress=false", "output.tensorboard=false",
+          "runtime.stats_interval=0"]
 
 
 def interval95(values: list[float]) -> tuple[float, float]:
@@ -69,6 +71,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     from ..builders import compression_for
     from ..data.synthetic import SyntheticBatches
     from ..engine import train_one_epoch
+    from ..phases import PHASES, epoch_phases
     from ..run import resume_and_broadcast, setup
 
     run = setup(cfg)
@@ -96,7 +99,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
 
     if warmup_steps > 0:
         timed_epoch(batches(warmup_steps), warmup_steps)
-    local_rates, totals, steps_run, samples_run = [], [], [], []
+    local_rates, totals, steps_run, samples_run, rank_phases = [], [], [], [], []
     timed = batches(steps)
     for _ in range(repeats):
         synchronize(settings.device)
@@ -111,7 +114,15 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         totals.append(metrics["samples"] / slowest)
         steps_run.append(metrics["steps"])
         samples_run.append(metrics["samples"])
+        rank_phases.append(metrics["rank_phases"])
     per_rank = dist.allgather_object(local_rates, name="bench_rates")
+    step_phases = {}
+    if settings.phase_timing:
+        mine = {phase: sum(r[phase] * r["steps"] for r in rank_phases) for phase in PHASES}
+        mine["steps"] = sum(r["steps"] for r in rank_phases)
+        mine = {phase: mine[phase] / max(1, mine["steps"]) if phase in PHASES else mine[phase] for phase in mine}
+        gathered = dist.allgather_object({**mine, "rank": rank, "host": ""}, name="bench_phases")
+        step_phases = {k[len("phase_"):]: v for k, v in epoch_phases(gathered).items() if k.startswith("phase_")}
     total_mean, total_half = interval95(totals)
     return {
         "arch": cfg.model.arch, "image_size": cfg.data.image_size, "batch_size": batch,
@@ -124,6 +135,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         "per_rank": [{"rank": r, "images_per_sec": interval95(rates)[0], "ci95": interval95(rates)[1],
                       "repeats": rates} for r, rates in enumerate(per_rank)],
         "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
+        "phases": step_phases,  # fraction of step time by phase, mean over ranks (phases.py)
     }
 
 
@@ -141,6 +153,9 @@ def format_report(result: dict[str, Any]) -> list[str]:
                      f"+- {row['ci95']:.2f} (95% interval)")
     lines.append(f"bench: total: {result['images_per_sec']:.2f} img/s +- {result['ci95']:.2f} "
                  f"(95% interval over {result['repeats']} repeats)")
+    if result.get("phases"):
+        lines.append("bench: step time: " + ", ".join(f"{LABELS[phase]} {100 * share:.1f}%"
+                                                      for phase, share in result["phases"].items()))
     lines.append(f"images_per_sec={result['images_per_sec']:.2f}")
     return lines
 
