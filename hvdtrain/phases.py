@@ -110,18 +110,20 @@ def epoch_phases(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def find_stragglers(ranks: list[dict[str, Any]], threshold: float) -> list[dict[str, Any]]:
     """Ranks whose busy time per step exceeds the median rank's by more than ``threshold`` (0.15 =
-    15%), slowest first, each with its largest busy phase and that phase's share of its step."""
+    15%), slowest first, each with the busy phase that exceeds the median of that phase the most
+    (the likely cause) and that phase's share of the rank's step."""
     timed = [r for r in ranks if r["steps"] > 0]
     if len(timed) < 2 or threshold <= 0:
         return []
     median = statistics.median(busy(r) for r in timed)
     if median <= 0:
         return []
+    typical = {phase: statistics.median(r[phase] for r in timed) for phase in BUSY}
     found = []
     for r in timed:
         slower = busy(r) / median - 1
         if slower > threshold:
-            phase = max(BUSY, key=lambda p: r[p])
+            phase = max(BUSY, key=lambda p: r[p] - typical[p])
             found.append({"rank": r["rank"], "host": r["host"], "slower": round(slower, 4),
                           "phase": phase, "phase_fraction": round(fractions(r)[phase], 4)})
     return sorted(found, key=lambda s: -s["slower"])

@@ -40,6 +40,10 @@ def test_value_types_are_coerced_from_text_and_yaml(tmp_path):
     ("model.sync_bn=maybe", "config key 'model.sync_bn' expects bool"),
     ("train.batch_size=0", "config key 'train.batch_size' must be positive"),
     ("train.epochs", "is not of the form section.key=value"),
+    ("dist.stall_shutdown_seconds=30", "'dist.stall_shutdown_seconds' (30) must exceed dist.stall_warning_seconds (60)"),
+    ("runtime.timeline_steps=20-10", "'runtime.timeline_steps': expected START-END with START < END"),
+    ("runtime.timeline_steps=10-20", "'runtime.timeline_steps' needs runtime.timeline=PATH"),
+    ("dist.straggler_threshold=-1", "'dist.straggler_threshold' must be >= 0"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:

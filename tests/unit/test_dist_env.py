@@ -41,3 +41,10 @@ def test_elastic_run_refuses_a_fixed_cycle_time_in_one_line(monkeypatch):
     assert "\n" not in message and "HOROVOD_CYCLE_TIME=5" in message and "unset HOROVOD_CYCLE_TIME" in message
     monkeypatch.delenv("HOROVOD_CYCLE_TIME")
     dist.check_elastic_env()
+
+
+def test_stall_inspector_settings_become_horovods_variables():
+    assert dist.stall_inspector_env(30, 120) == {"HOROVOD_STALL_CHECK_DISABLE": "0",
+                                                 "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
+                                                 "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120"}
+    assert dist.stall_inspector_env(0, 0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}

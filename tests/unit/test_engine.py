@@ -102,6 +102,17 @@ def test_steps_and_metrics_match_sgd_by_hand(distributed):
     assert metrics["lr"] == pytest.approx(LR)
 
 
+def test_every_step_run_is_timed_by_phase():
+    state, settings = make()
+    phases = train_one_epoch(state, settings, batches(3), 3, lambda t: t)["rank_phases"]
+    assert phases["steps"] == 3
+    assert set(phases) == {"data", "compute", "allreduce", "optimizer", "other", "steps"}
+    assert all(phases[p] >= 0 for p in phases) and phases["compute"] > 0
+    settings.phase_timing = False
+    state.position.step_in_epoch = 0
+    assert train_one_epoch(state, settings, batches(3), 3, lambda t: t)["rank_phases"]["steps"] == 0
+
+
 def test_resumes_from_the_step_in_epoch_and_stops_when_asked():
     state, settings = make()
     state.position.step_in_epoch = 1  # one step of this epoch already done
