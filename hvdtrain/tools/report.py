@@ -1,7 +1,9 @@
 """``python -m hvdtrain report RUN_DIR``: a run's metrics.jsonl as PNG plots and a text summary.
 
-Plots per epoch: loss and top-1 (train and val), learning rate, images per second and the
-fraction of time spent waiting for data. Written next to the metrics (``RUN_DIR/report.png``,
+Plots per epoch: loss and top-1 (train and val), learning rate, images per second, where the
+step time goes (a stacked chart of the phases: data wait, forward+backward, allreduce wait,
+optimizer, other; the data-wait fraction alone for runs from before phase timing) and the ranks'
+CPU and GPU use. Written next to the metrics (``RUN_DIR/report.png``,
 ``RUN_DIR/summary.txt``) unless ``--out`` says otherwise.
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data import DataError
+from ..phases import LABELS, PHASES
 
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -62,6 +65,25 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
                      f"best top-1 {best['top1']:.2f}% at epoch {int(best['epoch']) + 1}")
     if train and "lr" in train[-1]:
         lines.append(f"lr: {train[0]['lr']:.4g} (epoch 1) -> {train[-1]['lr']:.4g} (epoch {len(train)})")
+    timed = [r for r in train if "phase_compute" in r]
+    if timed:
+        lines.append("step time (mean over epochs and ranks): " + ", ".join(
+            f"{LABELS[p]} {100 * sum(r[f'phase_{p}'] for r in timed) / len(timed):.1f}%" for p in PHASES))
+    stragglers = [(int(r["epoch"]) + 1, s) for r in train for s in r.get("stragglers", [])]
+    if stragglers:
+        ranks = sorted({s["rank"] for _, s in stragglers})
+        lines.append(f"stragglers: rank(s) {', '.join(map(str, ranks))} in {len({e for e, _ in stragglers})} of "
+                     f"{len(train)} epochs (see metrics.jsonl 'stragglers')")
+    used = [r for r in train if "cpu_percent" in r]
+    if used:
+        last = used[-1]
+        line = f"last epoch per rank: CPU {last['cpu_percent']:.0f}% of a core"
+        if "workers_cpu_share" in last:
+            line += f" (loader workers {100 * last['workers_cpu_share']:.0f}% of it)"
+        if "gpu_util_percent" in last:
+            line += (f", GPU busy {last['gpu_util_percent']:.0f}% (least busy rank "
+                     f"{last.get('gpu_util_percent_min', last['gpu_util_percent']):.0f}%)")
+        lines.append(line)
     return lines
 
 
@@ -73,9 +95,8 @@ def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summar
     from matplotlib.ticker import MaxNLocator
 
     panels = [("loss", "loss", ("train", "val")), ("top1", "top-1 (%)", ("train", "val")),
-              ("lr", "learning rate (end of epoch)", ("train",)), ("samples_per_sec", "images / s", ("train", "val")),
-              ("data_wait_fraction", "data wait (fraction of train time)", ("train",))]
-    figure, grid = plt.subplots(2, 3, figsize=(12, 6), dpi=80)
+              ("lr", "learning rate (end of epoch)", ("train",)), ("samples_per_sec", "images / s", ("train", "val"))]
+    figure, grid = plt.subplots(2, 4, figsize=(16, 6), dpi=80)
     axes = list(grid.flat)
     for axis, (key, label, which) in zip(axes, panels):
         values = []
@@ -86,22 +107,24 @@ def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summar
                 axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], marker="o",
                           markersize=3, label=split)
         axis.set_title(label, fontsize=10)
-        axis.set_xlabel("epoch", fontsize=9)
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.tick_params(labelsize=8)
-        axis.grid(alpha=0.3)
         if len(which) > 1 and axis.lines:
             axis.legend(fontsize=8)
         positive = [v for v in values if v > 0 and math.isfinite(v)]
         if key == "loss" and positive and max(positive) > 20 * min(positive):
             axis.set_yscale("log")  # an early spike would flatten the rest of the curve
-        if key == "data_wait_fraction":
-            axis.set_ylim(0, 1)
-    text_axis = axes[len(panels)]
+    plot_phases(axes[4], splits.get("train", []))
+    plot_usage(axes[5], splits.get("train", []))
+    for axis in axes[:6]:
+        axis.set_xlabel("epoch", fontsize=9)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.tick_params(labelsize=8)
+        axis.grid(alpha=0.3)
+    axes[7].axis("off")  # the summary text runs over the last two cells
+    text_axis = axes[6]
     text_axis.axis("off")
     wrapped = []
     for line in summary:
-        wrapped += textwrap.wrap(line, 48, subsequent_indent="  ")
+        wrapped += textwrap.wrap(line, 96, subsequent_indent="  ")
     text_axis.text(0, 1, "\n".join(wrapped), va="top", ha="left", fontsize=8, family="monospace",
                    transform=text_axis.transAxes)
     figure.suptitle(title, fontsize=11)
@@ -109,6 +132,38 @@ def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summar
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     plt.close(figure)
+
+
+def plot_phases(axis: Any, train: list[dict[str, Any]]) -> None:
+    """Where the training step time goes, stacked per epoch (mean over ranks)."""
+    timed = [r for r in train if "phase_compute" in r]
+    if timed:
+        epochs = [int(r["epoch"]) + 1 for r in timed]
+        axis.stackplot(epochs, *[[r[f"phase_{p}"] for r in timed] for p in PHASES],
+                       labels=[LABELS[p] for p in PHASES], alpha=0.85)
+        axis.legend(fontsize=7, loc="upper left")
+        axis.set_title("train step time by phase (fraction)", fontsize=10)
+    else:  # runs from before phase timing
+        rows = [r for r in train if "data_wait_fraction" in r]
+        axis.plot([int(r["epoch"]) + 1 for r in rows], [r["data_wait_fraction"] for r in rows], marker="o",
+                  markersize=3)
+        axis.set_title("data wait (fraction of train time)", fontsize=10)
+    axis.set_ylim(0, 1)
+
+
+def plot_usage(axis: Any, train: list[dict[str, Any]]) -> None:
+    """CPU per rank (% of a core, mean over ranks) and, with NVML, GPU busy (mean and least busy rank)."""
+    for key, label in (("cpu_percent", "CPU % / rank"), ("workers_cpu_percent", "loader workers CPU %"),
+                       ("gpu_util_percent", "GPU busy % (mean)"), ("gpu_util_percent_min", "GPU busy % (least)")):
+        rows = [r for r in train if isinstance(r.get(key), (int, float))]
+        if rows:
+            axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], marker="o", markersize=3,
+                      label=label)
+    if any("gpu_util_percent" in r for r in train):
+        axis.axhline(95, color="grey", linestyle=":", linewidth=1)  # the rule of thumb
+    axis.set_title("CPU and GPU use (train)", fontsize=10)
+    if axis.lines:
+        axis.legend(fontsize=7)
 
 
 def cmd_report(argv: list[str]) -> int:

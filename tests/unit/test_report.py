@@ -47,6 +47,28 @@ def test_report_writes_a_png_and_a_summary(tmp_path, capsys):
     assert (run_dir / "summary.txt").read_text().splitlines()[0] == out.splitlines()[0]
 
 
+def test_report_shows_where_step_time_goes_and_cpu_gpu_use(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    write_run(run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if record["split"] == "train":
+            record.update(phase_data=0.1, phase_compute=0.6, phase_allreduce=0.2, phase_optimizer=0.05,
+                          phase_other=0.05, cpu_percent=95.0, workers_cpu_share=0.25, gpu_util_percent=90.0,
+                          gpu_util_percent_min=85.0)
+            if record["epoch"] == 1:
+                record["stragglers"] = [{"rank": 1, "host": "node1", "slower": 0.3, "phase": "data",
+                                         "phase_fraction": 0.4}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert ("step time (mean over epochs and ranks): data wait 10.0%, forward+backward 60.0%, "
+            "allreduce wait 20.0%, optimizer 5.0%, other 5.0%") in out
+    assert "stragglers: rank(s) 1 in 1 of 3 epochs" in out
+    assert "CPU 95% of a core (loader workers 25% of it), GPU busy 90% (least busy rank 85%)" in out
+    assert (run_dir / "report.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
 def test_report_of_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
