@@ -6,6 +6,7 @@ Contenders (same model, per-rank batch, image size and threads per rank; synthet
   ddp-2          torchrun --nproc_per_node 2 benchmarks/torch_loop.py (DistributedDataParallel, Gloo)
   hvdtrain-2-*   horovodrun -np 2 --gloo / --mpi python -m hvdtrain bench, without and with fp16
                  gradient compression
+  hvdtrain-1-untimed  hvdtrain-1 with runtime.phase_timing=false (the cost of timing step phases)
 
 Every round runs each contender once, in an order rotated every round, so that slow drift of the
 machine (other jobs, thermals) spreads over all of them. The table shows medians over rounds and
@@ -34,6 +35,7 @@ TARGETS = {  # contender: (reference, minimum ratio)
     "hvdtrain-2-mpi": ("ddp-2", 1.0),
     "hvdtrain-2-gloo-fp16": ("ddp-2", None),
     "hvdtrain-2-mpi-fp16": ("ddp-2", None),
+    "hvdtrain-1-untimed": ("hvdtrain-1", None),  # runtime.phase_timing=false: what timing the phases costs
 }
 
 
@@ -50,6 +52,7 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[int, list[str]]]:
     return {
         "raw": (1, [python, *loop]),
         "hvdtrain-1": (1, [python, *bench]),
+        "hvdtrain-1-untimed": (1, [python, *bench, "runtime.phase_timing=false"]),
         "ddp-2": (2, [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *loop]),
         "hvdtrain-2-gloo": (2, [*horovodrun, "--gloo", python, *bench, "dist.compression=none"]),
         "hvdtrain-2-gloo-fp16": (2, [*horovodrun, "--gloo", python, *bench, "dist.compression=fp16"]),

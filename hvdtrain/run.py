@@ -129,6 +129,8 @@ def setup(cfg: Config) -> Run:
         + (" ..." if len(peers) > 16 else "") + ("; elastic" if elastic else ""))
     if loaders.note:
         log(f"hvdtrain: {loaders.note}")
+    if run.stats is not None and device.type == "cuda" and not run.stats.has_gpu:
+        log("hvdtrain: GPU statistics off: NVML is not available (pip install 'hvdtrain[gpu]' for nvidia-ml-py)")
     log(f"hvdtrain: {task.describe(loaders)}")
     log(f"hvdtrain: global batch {global_batch} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
         f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
