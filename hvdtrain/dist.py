@@ -58,6 +58,8 @@ GPU_ENV_DEFAULTS: dict[str, str] = {}
 # the response cache lets each rank fuse locally they build different buffers, and Gloo aborts
 # the newcomer with "op.preamble.length <= op.nbytes". (Seen in this repository's elastic test.)
 ELASTIC_UNSAFE_ENV = "HOROVOD_CYCLE_TIME"
+# Set by horovodrun for ranks that will use the Gloo controller.
+GLOO_RENDEZVOUS = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 
 
 def apply_env_defaults(gpu: bool, elastic: bool = False) -> dict[str, str]:
@@ -100,6 +102,10 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
         os.environ.update(stall_inspector_env(stall_warning_seconds, stall_shutdown_seconds))
     if timeline:
         os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+    if GLOO_RENDEZVOUS in os.environ and not hvd.is_initialized():
+        problem = launcher.hostname_problem()  # else Horovod's Gloo init segfaults without a word
+        if problem:
+            raise ConfigError(problem)
     if not hvd.is_initialized():
         apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu, elastic=elastic)
         hvd.init()

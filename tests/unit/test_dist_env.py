@@ -48,3 +48,12 @@ def test_stall_inspector_settings_become_horovods_variables():
                                                  "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
                                                  "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120"}
     assert dist.stall_inspector_env(0, 0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+
+
+def test_an_unresolvable_hostname_stops_a_gloo_rank_before_horovod_starts(monkeypatch):
+    monkeypatch.setenv(dist.GLOO_RENDEZVOUS, "127.0.0.1")
+    monkeypatch.setattr(dist.launcher.socket, "gethostname", lambda: "no-such-host.invalid")
+    monkeypatch.setattr(dist.hvd, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist.hvd, "init", lambda: pytest.fail("hvd.init() ran"))
+    with pytest.raises(ConfigError, match="this host's name 'no-such-host.invalid' does not resolve"):
+        dist.init(gpu=False)
