@@ -7,6 +7,7 @@ one rank only, and ``dist`` falls back to it until ``init()``.
 from __future__ import annotations
 
 import os
+import socket
 
 # The variables launchers set, first match wins: horovodrun, Open MPI's mpirun, PMIx (srun
 # --mpi=pmix), MPICH/PMI, Slurm.
@@ -34,3 +35,19 @@ def size() -> int:
 
 def local_rank() -> int:
     return _first(LOCAL_RANK_VARIABLES, 0)
+
+
+def hostname_problem() -> str | None:
+    """None when this host's own name resolves, else one line saying what breaks and how to fix it.
+
+    Horovod's Gloo controller looks up the host's name while it initializes; where the name does
+    not resolve, the rank dies with a segmentation fault (exit 139) and no message. MPI does not
+    need it, so the same hosts can look healthy under mpirun.
+    """
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError):
+        return (f"this host's name '{name}' does not resolve (Horovod's Gloo controller would crash with a "
+                f"segfault): add '127.0.1.1 {name}' to /etc/hosts or fix DNS")
+    return None

@@ -5,14 +5,19 @@
 
 1. Every host answers over ssh (hosts that are this machine run locally, as with horovodrun) and
    reports its Python, torch, Horovod and hvdtrain versions, GPUs, Horovod's build (NCCL, Gloo,
-   MPI) and its network interfaces. Different versions or builds, or an unreachable host, end
-   the doctor with exit status 1 and one line per problem naming the host.
+   MPI), its network interfaces and whether its own host name resolves. Different versions or
+   builds, an unreachable host or a name that does not resolve end the doctor with exit status 1
+   and one line per problem naming the host. Where the hosts share several interfaces, the one
+   whose subnet holds the other hosts' addresses is named, with the line that pins it.
 2. One rank per slot is launched with horovodrun, once per controller Horovod was built with
-   (Gloo, MPI); each job times allreduce (sum, float32) over a sweep of sizes, on CPU tensors and,
-   where every host has a GPU and NCCL ops, on GPU tensors. The table shows bus bandwidth as
-   nccl-tests defines it: busbw = algbw x 2(n-1)/n, algbw = bytes / time, time = the slowest
-   rank's mean time per allreduce; so busbw is comparable across rank counts and approaches the
-   link bandwidth for ring allreduce.
+   (Gloo, MPI); each job times allreduce (sum, float32) over a sweep of sizes on CPU tensors, and
+   one of them (the first that succeeds) on GPU tensors too where every host has a GPU and NCCL
+   ops: Horovod sends GPU tensors through NCCL under either controller, so that column is
+   "nccl/gpu". The table shows bus bandwidth as nccl-tests defines it: busbw = algbw x 2(n-1)/n,
+   algbw = bytes / time, time = the slowest rank's mean time per allreduce; so busbw is
+   comparable across rank counts and approaches the link bandwidth for ring allreduce.
+   Each launch has a deadline (--bench-timeout, 90 s); a launch still running then is ended with
+   everything it started, and one line says how far it got and what to try.
 
 Internal modes (run by the doctor itself on each host): ``--probe`` prints the host's facts as
 one JSON line; ``--bench`` runs the timing loop under a launcher and rank 0 prints the results.
@@ -21,22 +26,24 @@ one JSON line; ``--bench`` runs the timing loop under a launcher and rank 0 prin
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import platform
 import re
 import shlex
 import socket
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .allreduce import bench, print_bandwidth, run_bench
+from .allreduce import bench, print_bandwidth, run_bench, run_with_deadline
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
+# Seconds a host may take to answer the probe once ssh has connected (it imports torch and Horovod).
+PROBE_SECONDS = 90
 # Facts that must agree on every host for Horovod to work (or to give the same results).
 COMPARED = ("python", "torch", "horovod", "hvdtrain", "built")
 
@@ -51,6 +58,7 @@ class Host:
     slots: int
     facts: dict[str, Any] = field(default_factory=dict)
     problem: str = ""
+    address: str | None = None  # the name resolved here, as ssh and the launchers resolve it
 
 
 # --- arguments ---------------------------------------------------------------------------------
@@ -107,11 +115,12 @@ def local_facts() -> dict[str, Any]:
 
     import hvdtrain
 
-    from .. import dist
+    from .. import dist, launcher
 
-    interfaces = {}
+    interfaces = {}  # name -> ["10.0.0.5/24", ...]: addresses with their subnets
     for name, addresses in psutil.net_if_addrs().items():
-        ipv4 = [a.address for a in addresses if a.family == socket.AF_INET]
+        ipv4 = [str(ipaddress.ip_interface(f"{a.address}/{a.netmask or 32}")) for a in addresses
+                if a.family == socket.AF_INET]
         if ipv4:
             interfaces[name] = ipv4
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
@@ -121,7 +130,7 @@ def local_facts() -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "",
         "horovod": dist.version(), "hvdtrain": hvdtrain.__version__,
         "hvdtrain_path": str(Path(hvdtrain.__file__).parent), "gpus": gpus, "built": dist.built(),
-        "interfaces": interfaces,
+        "interfaces": interfaces, "hostname_problem": launcher.hostname_problem(),
     }
 
 
@@ -158,10 +167,9 @@ def probe_host(host: Host, args: argparse.Namespace) -> None:
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded.items())
         remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} {shlex.quote(python)} -m hvdtrain doctor --probe"
         cmd = ssh_command(host.name, remote, args.ssh_port, args.ssh_identity_file, args.connect_timeout)
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.connect_timeout + 120)
-    except subprocess.TimeoutExpired:
-        host.problem = "no answer within the time limit (ssh or Python hangs)"
+    result = run_with_deadline(cmd, args.connect_timeout + PROBE_SECONDS)
+    if result.timed_out:
+        host.problem = f"no answer within {args.connect_timeout + PROBE_SECONDS}s (ssh or Python hangs)"
         return
     last_error = (result.stderr.strip().splitlines() or ["no output"])[-1]
     if result.returncode == 255:
@@ -181,6 +189,7 @@ def probe_host(host: Host, args: argparse.Namespace) -> None:
 def compare_hosts(hosts: list[Host]) -> list[str]:
     """Problems that make the hosts unfit to train together, one line each, naming the host."""
     problems = [f"{h.name}: {h.problem}" for h in hosts if h.problem]
+    problems += [f"{h.name}: {h.facts['hostname_problem']}" for h in hosts if h.facts.get("hostname_problem")]
     reachable = [h for h in hosts if not h.problem]
     if len(reachable) < 2:
         return problems
@@ -206,6 +215,48 @@ def format_fact(key: str, value: Any) -> str:
 def common_interfaces(hosts: list[Host]) -> list[str]:
     names = [set(h.facts.get("interfaces", {})) for h in hosts if h.facts]
     return sorted(set.intersection(*names)) if names else []
+
+
+def subnets(host: Host, interface: str) -> list[ipaddress.IPv4Interface]:
+    return [ipaddress.ip_interface(a) for a in host.facts.get("interfaces", {}).get(interface, [])]
+
+
+def connects(hosts: list[Host], interface: str) -> bool:
+    """True when, on every host, a subnet of ``interface`` holds the addresses of all the others."""
+    for host in hosts:
+        others = [ipaddress.ip_address(h.address) for h in hosts if h is not host]
+        if not any(all(address in net.network for address in others) for net in subnets(host, interface)):
+            return False
+    return True
+
+
+def pick_interface(hosts: list[Host]) -> tuple[str | None, list[str]]:
+    """(the interface that connects the hosts or None, the shared ones a launch could spread over).
+
+    A launch left to itself may use every interface the hosts share: horovodrun gives them all to
+    Open MPI (btl_tcp_if_include) and NCCL, and Open MPI's TCP transport then splits large
+    messages over them and can hang (docs/launching.md). The loopback interface counts only where
+    the hosts' names resolve to loopback addresses (several "hosts" on one machine).
+    """
+    if len(hosts) < 2 or any(not h.address or not h.facts for h in hosts):
+        return None, []
+    shared = common_interfaces(hosts)
+    routed = [name for name in shared if connects(hosts, name)]
+    loopback = {name for name in shared if all(net.ip.is_loopback for h in hosts for net in subnets(h, name))}
+    choices = [name for name in shared if name not in loopback or name in routed]
+    return (routed[0] if len(routed) == 1 else None), choices
+
+
+def interface_line(chosen: str | None, choices: list[str]) -> str | None:
+    """What to print about interfaces: nothing where only one could carry the traffic."""
+    if len(choices) < 2:
+        return None
+    if chosen:
+        return (f"to pin the network: horovodrun --network-interfaces {chosen} ... and "
+                f"NCCL_SOCKET_IFNAME={chosen} (the hosts share {', '.join(choices)}; "
+                f"only {chosen}'s subnet holds their addresses)")
+    return (f"the hosts share {', '.join(choices)}: pin the one that connects them, horovodrun "
+            "--network-interfaces IFACE ... and NCCL_SOCKET_IFNAME=IFACE")
 
 
 def print_hosts(hosts: list[Host]) -> None:
@@ -241,9 +292,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed allreduces per size first")
     p.add_argument("--skip-bench", action="store_true", help="only check the hosts")
     p.add_argument("--connect-timeout", type=int, default=10, help="ssh connect timeout in seconds")
-    p.add_argument("--bench-timeout", type=int, default=600, help="seconds allowed per bandwidth job")
+    p.add_argument("--bench-timeout", type=int, default=90,
+                   help="seconds allowed per bandwidth job; then it is ended with all it started (default: 90)")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bench", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--devices", default="cpu", help=argparse.SUPPRESS)  # for --bench: cpu or cpu,cuda
     return p
 
 
@@ -254,19 +307,28 @@ def main(argv: list[str]) -> int:
         return 0
     sizes = parse_sizes(args.sizes)
     if args.bench:
-        bench(sizes, args.iters, args.warmup)
+        bench(sizes, args.iters, args.warmup, args.devices.split(","), args.bench_timeout)
         return 0
     hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts or "localhost:2")
     if len({h.name for h in hosts}) != len(hosts):
         raise DoctorError("a host is listed twice: give each host once with its slot count")
 
     print(f"hvdtrain doctor: {len(hosts)} host(s), {sum(h.slots for h in hosts)} slot(s)", flush=True)
+    for host in hosts:
+        try:
+            host.address = socket.gethostbyname(host.name)
+        except OSError:
+            pass  # the probe says why ssh cannot reach it
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         list(pool.map(lambda host: probe_host(host, args), hosts))
     print_hosts(hosts)
     reachable = [h for h in hosts if h.facts]
     if reachable:
         print(f"network interfaces on every host: {', '.join(common_interfaces(reachable)) or 'none'}")
+    chosen, choices = pick_interface(hosts)
+    line = None if args.network_interfaces else interface_line(chosen, choices)
+    if line:
+        print(line)
     problems = compare_hosts(hosts)
     for host in reachable:
         if host.facts["gpus"] and host.slots > len(host.facts["gpus"]):
@@ -288,14 +350,22 @@ def main(argv: list[str]) -> int:
     if not controllers:
         print(f"hvdtrain doctor: Horovod has none of {', '.join(wanted)} built", file=sys.stderr)
         return 1
+    # The measurements pin the interface that connects the hosts (unless told one): with
+    # several, Open MPI's TCP transport can hang for good (docs/launching.md, "doctor").
+    interface = args.network_interfaces or chosen
+    if interface and not args.network_interfaces:
+        print(f"(the measurements use --network-interfaces {interface})")
+    # GPU tensors go through NCCL whichever controller runs: time them in one job only.
+    gpus = all(h.facts["gpus"] for h in reachable) and built.get("nccl")
     results, failed = [], []
     for controller in controllers:
+        devices = ["cpu", "cuda"] if gpus and not any("cuda" in r["seconds"] for r in results) else ["cpu"]
         print(f"measuring allreduce with the {controller} controller ...", flush=True)
-        result, error = run_bench(controller, hosts, args)
+        result, error = run_bench(controller, hosts, args, sizes, devices, interface, chosen, choices)
         if result:
             results.append(result)
         else:
-            failed.append(f"{controller} controller: {error}")
+            failed.append(error)
     if results:
         print_bandwidth(results)
     for problem in failed:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
+from pathlib import Path
 
 from .nodes import BIN, TwoNodes
 
@@ -16,10 +18,14 @@ def doctor(nodes: TwoNodes, tmp_path, *args: str) -> subprocess.CompletedProcess
 def test_doctor_checks_both_nodes_and_measures_allreduce(two_nodes, tmp_path):
     hostfile = two_nodes.hostfile(tmp_path / "hosts")
     before = two_nodes.accepted_logins()
-    result = doctor(two_nodes, tmp_path, "--hostfile", str(hostfile), "--network-interfaces", "lo",
-                    "--sizes", "4K,256K,4M")
+    # No --network-interfaces: the doctor picks lo, the interface whose subnet holds both nodes'
+    # addresses. Left to horovodrun, Open MPI got lo and eth0 and hung (docs/launching.md).
+    result = doctor(two_nodes, tmp_path, "--hostfile", str(hostfile), "--sizes", "4K,256K,4M")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
+    assert re.search(r"^to pin the network: horovodrun --network-interfaces lo \.\.\. and NCCL_SOCKET_IFNAME=lo ",
+                     out, re.M), out
+    assert "(the measurements use --network-interfaces lo)" in out
     for host in two_nodes.hosts:  # one row per host: versions and Horovod's build
         assert re.search(rf"^{host}\s+1\s+3\.\d+\.\d+\s+\S+\s+0\.28\.1\s+0\.1\.0\s+\S*gloo\+mpi\s+none$", out, re.M), out
     assert re.search(r"network interfaces on every host: .*\blo\b", out)
@@ -43,3 +49,36 @@ def test_doctor_names_the_unreachable_host_and_fails(two_nodes, tmp_path):
     assert "node0:" not in result.stderr  # the reachable host is not blamed
     assert re.search(r"^node0\s+1\s+3\.", result.stdout, re.M)
     assert "measuring allreduce" not in result.stdout
+
+
+def bench_processes(cwd: Path) -> list[int]:
+    """Launchers and ranks of the doctor's bench still running in ``cwd`` (both nodes are this box)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"--bench" in (entry / "cmdline").read_bytes() \
+                    and Path(entry / "cwd").resolve() == cwd.resolve():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_doctor_ends_a_launch_at_its_deadline_and_says_how_far_it_got(two_nodes, tmp_path):
+    # 100000 allreduces per size cannot finish in 30 s: both jobs are ended at their deadline.
+    start = time.monotonic()
+    result = doctor(two_nodes, tmp_path, "-H", "node0:1,node1:1", "--sizes", "4K", "--iters", "100000",
+                    "--bench-timeout", "30")
+    took = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    for controller, other in (("gloo", "mpi"), ("mpi", "gloo")):
+        assert re.search(rf"^hvdtrain doctor: {controller} controller: no result within 30s: ranks started on "
+                         rf"node0, node1 but no allreduce finished; try .*, or --controllers {other}$",
+                         result.stderr, re.M), result.stderr
+    assert took < 2 * (30 + 15) + 60, took  # two deadlines, their grace, the probe
+    # Nothing is left: not the launchers, not the ranks that ssh started (they end themselves once
+    # their ssh session is gone, within a second or two).
+    deadline = time.monotonic() + 15
+    while bench_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert bench_processes(tmp_path) == []

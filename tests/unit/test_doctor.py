@@ -1,12 +1,22 @@
-"""The doctor's arithmetic and argument parsing (the launched parts: tests/multinode/test_doctor.py)."""
+"""The doctor's arithmetic, argument parsing, interface choice, messages and deadline (the launched
+parts: tests/multinode/test_doctor.py)."""
 
 from __future__ import annotations
 
+import argparse
+import socket
+import sys
+import time
+
+import psutil
 import pytest
 
-from hvdtrain.tools.allreduce import bus_bandwidth
-from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, parse_hosts, parse_sizes,
-                             read_hostfile)
+from hvdtrain import launcher
+from hvdtrain.tools import allreduce
+from hvdtrain.tools.allreduce import (bus_bandwidth, print_bandwidth, reached, read_steps, run_with_deadline,
+                                      stall_message)
+from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, interface_line, parse_hosts, parse_sizes,
+                                   pick_interface, read_hostfile)
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -56,3 +66,167 @@ def test_environment_differences_name_the_host():
     assert compare_hosts([Host("a", 1, facts()), Host("b", 1, facts())]) == []
     no_common = [Host("a", 1, facts(interfaces={"eth0": []})), Host("b", 1, facts(interfaces={"ib0": []}))]
     assert "no network interface name is common" in compare_hosts(no_common)[0]
+
+
+# --- interfaces: which one connects the hosts --------------------------------------------------
+def on(address: str, **interfaces: list[str]) -> Host:
+    host = Host(address, 1, facts(interfaces=interfaces))
+    host.address = address
+    return host
+
+
+def test_interface_whose_subnet_holds_the_other_hosts_is_picked():
+    # The two-node harness: both "machines" are this box, node0/node1 resolve to 127.0.0.2/3.
+    harness = [on("127.0.0.2", lo=["127.0.0.1/8"], eth0=["192.0.2.2/24"]),
+               on("127.0.0.3", lo=["127.0.0.1/8"], eth0=["192.0.2.2/24"])]
+    assert pick_interface(harness) == ("lo", ["eth0", "lo"])
+    assert interface_line(*pick_interface(harness)).startswith(
+        "to pin the network: horovodrun --network-interfaces lo ... and NCCL_SOCKET_IFNAME=lo ")
+    # A cluster: the names resolve on eth0; docker0 and ib0 are shared too (docker0's subnet is
+    # the same on every host but holds no host's address).
+    cluster = [on("10.0.0.1", lo=["127.0.0.1/8"], eth0=["10.0.0.1/24"], docker0=["172.17.0.1/16"],
+                  ib0=["10.1.0.1/16"]),
+               on("10.0.0.2", lo=["127.0.0.1/8"], eth0=["10.0.0.2/24"], docker0=["172.17.0.1/16"],
+                  ib0=["10.1.0.2/16"])]
+    assert pick_interface(cluster) == ("eth0", ["docker0", "eth0", "ib0"])
+    assert "--network-interfaces eth0 ... and NCCL_SOCKET_IFNAME=eth0" in interface_line(*pick_interface(cluster))
+    # One interface besides loopback: nothing to pin, no line (the bench still names eth0).
+    plain = [on("10.0.0.1", lo=["127.0.0.1/8"], eth0=["10.0.0.1/24"]),
+             on("10.0.0.2", lo=["127.0.0.1/8"], eth0=["10.0.0.2/24"])]
+    assert pick_interface(plain) == ("eth0", ["eth0"])
+    assert interface_line(*pick_interface(plain)) is None
+    # Routed between subnets: no subnet holds the other host; list the choices instead.
+    routed = [on("10.0.0.1", eth0=["10.0.0.1/24"], ib0=["10.1.0.1/24"]),
+              on("10.0.5.1", eth0=["10.0.5.1/24"], ib0=["10.1.5.1/24"])]
+    assert pick_interface(routed) == (None, ["eth0", "ib0"])
+    assert interface_line(*pick_interface(routed)) == (
+        "the hosts share eth0, ib0: pin the one that connects them, horovodrun --network-interfaces IFACE ... "
+        "and NCCL_SOCKET_IFNAME=IFACE")
+    # Facts without subnets (an older hvdtrain on a host) and a host that did not resolve: no guess.
+    assert pick_interface([on("10.0.0.1", eth0=["10.0.0.1"]), on("10.0.0.2", eth0=["10.0.0.2"])]) == (None, ["eth0"])
+    unresolved = on("10.0.0.2", eth0=["10.0.0.2/24"])
+    unresolved.address = None
+    assert pick_interface([on("10.0.0.1", eth0=["10.0.0.1/24"]), unresolved]) == (None, [])
+
+
+# --- the host's own name -----------------------------------------------------------------------
+def test_hostname_that_does_not_resolve_is_a_problem_naming_the_host(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "box-7")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(socket.AF_INET, 0, 0, "", ("10.0.0.7", 0))])
+    assert launcher.hostname_problem() is None
+
+    def fail(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    problem = launcher.hostname_problem()
+    assert problem == ("this host's name 'box-7' does not resolve (Horovod's Gloo controller would crash with a "
+                       "segfault): add '127.0.1.1 box-7' to /etc/hosts or fix DNS")
+    hosts = [Host("a", 1, facts(hostname_problem=None)), Host("b", 1, facts(hostname_problem=problem))]
+    assert compare_hosts(hosts) == [f"b: {problem}"]
+
+
+# --- the table ---------------------------------------------------------------------------------
+def test_gpu_column_is_named_after_nccl_and_comes_once(capsys):
+    sizes = [1 << 20, 64 << 20]
+    results = [{"controller": "gloo", "size": 2, "sizes": sizes,
+                "seconds": {"cpu": [0.01, 0.5], "cuda": [0.001, 0.01]}},
+               {"controller": "mpi", "size": 2, "sizes": sizes, "seconds": {"cpu": [0.02, 0.25]}}]
+    assert print_bandwidth(results) == "nccl/gpu"
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("size"))
+    assert header.split() == ["size", "gloo/cpu", "mpi/cpu", "nccl/gpu"]
+    # busbw over 2 ranks = size / time: 64 MiB in 10 ms -> 6.711 GB/s.
+    assert lines[-2].split() == ["64", "MiB", "0.134", "0.268", "6.711"]
+    assert lines[-1] == "fastest at 64 MiB: nccl/gpu (6.711 GB/s)"
+
+
+# --- how far a stuck launch got ----------------------------------------------------------------
+def test_what_a_stuck_launch_reached():
+    hosts = [Host("node0", 2), Host("node1", 1)]
+    sizes = [4096, 262144, 4 << 20]
+
+    def steps(*lines: str) -> dict:
+        return read_steps("\n".join(lines))
+
+    assert reached(hosts, steps("Checking ssh on all remote hosts."), sizes).startswith("no rank started")
+    assert reached(hosts, steps("[1,0]<stdout>:HVDTRAIN_DOCTOR_STEP 0 started", "HVDTRAIN_DOCTOR_STEP 1 started"),
+                   sizes) == "ranks started on node0 but never on node1"
+    started = ["[0]<stdout>:HVDTRAIN_DOCTOR_STEP 0 started", "[1]<stdout>:HVDTRAIN_DOCTOR_STEP 1 started",
+               "[2]<stdout>:HVDTRAIN_DOCTOR_STEP 2 started"]
+    assert reached(hosts, steps(*started, "HVDTRAIN_DOCTOR_STEP 0 joined", "HVDTRAIN_DOCTOR_STEP 1 joined"), sizes) == (
+        "ranks started on node0, node1 but Horovod's init never returned on node1 "
+        "(the ranks could not connect to each other)")
+    joined = [f"HVDTRAIN_DOCTOR_STEP {rank} joined" for rank in range(3)]
+    assert reached(hosts, steps(*started, *joined), sizes) == "ranks started on node0, node1 but no allreduce finished"
+    # Rank 2 has not finished 256 KiB yet; two ranks' output on one line still counts.
+    progress = ["HVDTRAIN_DOCTOR_STEP 0 cpu:4096HVDTRAIN_DOCTOR_STEP 1 cpu:4096", "HVDTRAIN_DOCTOR_STEP 2 cpu:4096",
+                "HVDTRAIN_DOCTOR_STEP 0 cpu:262144", "HVDTRAIN_DOCTOR_STEP 1 cpu:262144"]
+    assert reached(hosts, steps(*started, *joined, *progress), sizes) == (
+        "ranks started on node0, node1; allreduce finished up to 4 KiB on cpu, not 256 KiB on cpu")
+    cpu_done = [f"HVDTRAIN_DOCTOR_STEP {rank} cpu:{size}" for rank in range(3) for size in sizes]
+    assert reached(hosts, steps(*started, *joined, *cpu_done), sizes, ["cpu", "cuda"]) == (
+        "ranks started on node0, node1; allreduce finished up to 4 MiB on cpu, not 4 KiB on gpu")
+    what = "ranks started on node0, node1 but no allreduce finished"
+    assert stall_message("mpi", 90, what, ["cpu"], None, "lo", ["eth0", "lo"]) == (
+        f"mpi controller: no result within 90s: {what}; try --network-interfaces lo, or --controllers gloo")
+    assert stall_message("gloo", 90, what, ["cpu", "cuda"], "eth0", "ib0", ["eth0", "ib0"]).endswith(
+        "try --network-interfaces ib0 and NCCL_SOCKET_IFNAME=ib0, or --controllers mpi")
+    assert stall_message("mpi", 90, what, ["cpu"], None, None, ["eth0", "ib0"]).endswith(
+        "try --network-interfaces IFACE (one of eth0, ib0), or --controllers gloo")
+
+
+# --- the deadline ends the whole launch ---------------------------------------------------------
+FAKE_LAUNCHER = r'''
+import os, signal, subprocess, sys, time
+sleeper = [sys.executable, "-c", "import signal, sys, time; "
+           "signal.signal(signal.SIGTERM, signal.SIG_IGN) if sys.argv[1] == 'stubborn' else None; time.sleep(600)"]
+# Like mpirun's ssh clients: a process group of its own; this one ignores SIGTERM.
+group = subprocess.Popen(sleeper + ["stubborn"], process_group=0)
+# Like horovodrun's middlemen: a session of its own.
+session = subprocess.Popen(sleeper + ["plain"], start_new_session=True)
+# An orphan: its parent is gone, init adopted it; it stays in the launch's session.
+orphan = subprocess.run(["/bin/sh", "-c", " ".join(sleeper[:2]) + ' "$0" plain >/dev/null 2>&1 & echo $!',
+                         sleeper[2]], capture_output=True, text=True).stdout.strip()
+with open(sys.argv[1], "w") as pids:
+    pids.write(" ".join(map(str, [os.getpid(), group.pid, session.pid, orphan])))
+for rank in (0, 1):
+    print(f"[{rank}]<stdout>:HVDTRAIN_DOCTOR_STEP {rank} started", flush=True)
+    print(f"[{rank}]<stdout>:HVDTRAIN_DOCTOR_STEP {rank} joined", flush=True)
+time.sleep(600)  # the two children above hold this stdout open too
+'''
+
+
+def test_deadline_ends_the_launch_and_everything_it_started(tmp_path, monkeypatch):
+    script, pid_file = tmp_path / "fake_horovodrun.py", tmp_path / "pids"
+    script.write_text(FAKE_LAUNCHER)
+    monkeypatch.setattr(allreduce, "bench_command", lambda *args: [sys.executable, str(script), str(pid_file)])
+    args = argparse.Namespace(bench_timeout=3)
+    start = time.monotonic()
+    result, error = allreduce.run_bench("mpi", [Host("node0", 1), Host("node1", 1)], args, [4096],
+                                        interface=None, chosen="lo", choices=["eth0", "lo"])
+    took = time.monotonic() - start
+    assert result is None
+    assert error == ("mpi controller: no result within 3s: ranks started on node0, node1 but no allreduce "
+                     "finished; try --network-interfaces lo, or --controllers gloo")
+    # deadline + SIGTERM's grace (the stubborn one needs SIGKILL) + slack for a busy machine
+    assert took < 3 + allreduce.GRACE_SECONDS + 5, took
+    pids = [int(pid) for pid in pid_file.read_text().split()]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 5  # init reaps the adopted ones on its own schedule
+    while time.monotonic() < deadline and [p for p in pids if alive(p)]:
+        time.sleep(0.1)
+    assert [p for p in pids if alive(p)] == []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_launch_that_ends_in_time_is_read_whole(tmp_path):
+    finished = run_with_deadline([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
+                                  "sys.exit(3)"], 30)
+    assert (finished.returncode, finished.stdout, finished.stderr, finished.timed_out) == (3, "out\n", "err\n", False)
