@@ -34,9 +34,12 @@ def test_step_phases_and_host_statistics_per_rank(tiny_data, tmp_path):
             assert row["host"] == "localhost"
             assert sum(row[p] for p in PHASES) == pytest.approx(1.0, abs=1e-3)
             assert row["cpu_percent"] > 5 and row["rss_gib"] > 0.05
-            assert row["workers_count"] > 0 and row["workers_cpu_percent"] > 0  # its loader worker
-        assert 0 < record["workers_cpu_share"] < 1
+            assert row["workers_count"] > 0  # its loader worker (and the forkserver), seen
         assert not any(key.startswith("gpu_") for key in record)  # no GPU, no NVML: no GPU fields
+    # A worker first seen in an epoch's last sample has its CPU time counted from the next sample
+    # on, so on a loaded machine one epoch may show none of it; the run as a whole does.
+    assert any(0 < record["workers_cpu_share"] < 1 for record in train)
+    assert any(row["workers_cpu_percent"] > 0 for record in train for row in record["by_rank"])
 
 
 def test_a_slowed_rank_is_named_as_the_straggler(tiny_data, tmp_path):
