@@ -158,6 +158,12 @@ def is_primary() -> bool:
     return rank() == 0
 
 
+def log(message: str) -> None:
+    """Rank 0 talks; other ranks only report errors."""
+    if is_primary():
+        print(message, flush=True)
+
+
 def controller() -> str:
     """Which controller coordinates this job: "gloo" or "mpi"."""
     if hvd.gloo_enabled():

@@ -37,6 +37,11 @@ def local_rank() -> int:
     return _first(LOCAL_RANK_VARIABLES, 0)
 
 
+def host_name() -> str:
+    """This rank's host as the launcher named it (horovodrun's -H name), else the machine's name."""
+    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
 def hostname_problem() -> str | None:
     """None when this host's own name resolves, else one line saying what breaks and how to fix it.
 

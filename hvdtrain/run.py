@@ -7,9 +7,7 @@ elastic.py both import this module.
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,25 +15,21 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, dist, phases
+from . import checkpoint, dist
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
 from .config import Config, dump_yaml, step_range, to_dict
 from .data.loaders import Loaders
+from .dist import log
 from .engine import StepSettings, evaluate
 from .metrics import MetricsWriter
+from .observe import TimelineWindow, add_rank_report
 from .optim import LRSchedule
 from .preemption import StopRequest
 from .state import RunState
-from .sysstats import StatsSampler, across_ranks
+from .sysstats import StatsSampler
 from .tasks import Task, build_task
 from .watchdog import LivenessService, Peer, Watchdog, lost_message
-
-
-def log(message: str) -> None:
-    """Rank 0 talks; other ranks only report errors."""
-    if dist.is_primary():
-        print(message, flush=True)
 
 
 @dataclass
@@ -56,35 +50,6 @@ class Run:
     start_epoch: int = 0
     timeline: TimelineWindow | None = None
     stats: StatsSampler | None = None
-
-
-class TimelineWindow:
-    """Horovod's timeline for the whole run, or for the global steps [start, end) of
-    ``runtime.timeline_steps``: ``at_step(step)`` before every step, ``close()`` at the end."""
-
-    def __init__(self, path: str, steps: tuple[int, int] | None):
-        self.path, self.steps = path, steps
-        self.recording = self.done = False
-
-    def at_step(self, step: int) -> None:
-        if self.done:
-            return
-        start, end = self.steps if self.steps else (0, None)
-        if not self.recording and step >= start and (end is None or step < end):
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            dist.start_timeline(self.path, mark_cycles=True)
-            self.recording = True
-            log(f"hvdtrain: recording Horovod's timeline to {self.path} from global step {step}"
-                + (f" to {end}" if end is not None else ""))
-        elif self.recording and end is not None and step >= end:
-            self.close()
-
-    def close(self) -> None:
-        if self.recording:
-            dist.stop_timeline()
-            log(f"hvdtrain: timeline written to {self.path} (open it in Perfetto, ui.perfetto.dev, "
-                f"or chrome://tracing)")
-        self.recording, self.done = False, True
 
 
 def setup(cfg: Config) -> Run:
@@ -268,38 +233,6 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
                                   **{k: v for k, v in values.items() if k not in ("stopped", "steps")}})
         log(epoch_line(run, epoch, train_metrics, val_metrics))
     return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": step}
-
-
-def add_rank_report(run: Run, train_metrics: dict[str, Any]) -> None:
-    """Every rank's step phases and host statistics -> the epoch's figures in ``train_metrics``
-    (phase fractions, CPU/memory/GPU use, ``by_rank``), and the stragglers, which rank 0 logs.
-    A collective."""
-    mine: dict[str, Any] = {"rank": dist.rank(), "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()}
-    phase_seconds = train_metrics.pop("rank_phases", None)
-    if run.cfg.runtime.phase_timing and phase_seconds is not None:
-        mine["phases"] = phase_seconds
-    if run.stats is not None:
-        mine["stats"] = run.stats.take_epoch()
-    if len(mine) == 2:
-        return
-    ranks = dist.allgather_object(mine, name="hvdtrain.rank_report")
-    by_rank: dict[int, dict[str, Any]] = {r["rank"]: {"rank": r["rank"], "host": r["host"]} for r in ranks}
-    if run.stats is not None:
-        train_metrics.update(across_ranks([r["stats"] for r in ranks]))
-        for r in ranks:
-            by_rank[r["rank"]].update({k: round(v, 4) for k, v in r["stats"].items() if k != "stats_samples"})
-    if "phases" in mine:
-        timed = [{**r["phases"], "rank": r["rank"], "host": r["host"]} for r in ranks]
-        phase_figures = phases.epoch_phases(timed)
-        for row in phase_figures.pop("by_rank", []):
-            by_rank[row["rank"]].update(row)
-        train_metrics.update(phase_figures)
-        stragglers = phases.find_stragglers(timed, run.cfg.dist.straggler_threshold)
-        if stragglers:
-            train_metrics["stragglers"] = stragglers
-        for straggler in stragglers:
-            log(phases.straggler_line(straggler))
-    train_metrics["by_rank"] = [by_rank[rank] for rank in sorted(by_rank)]
 
 
 def epoch_line(run: Run, epoch: int, train: dict, val: dict) -> str:

@@ -14,7 +14,7 @@
                             checkpoint.every_steps; watchdog.beat(); timeline window
             metric sums allreduced (exact, once per epoch)
         end_epoch                                                             (run.py)
-            add_rank_report              every rank's step phases and CPU/GPU use; stragglers named
+            add_rank_report  (observe.py) every rank's step phases and CPU/GPU use; stragglers named
             dist.average_buffers         BatchNorm statistics averaged over ranks
             evaluate                     every validation sample once, sums allreduced
             save_checkpoint              every rank's RNG and buffers gathered; rank 0 writes

@@ -23,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import launcher
+
 PING, PONG = b"hvdtrain-ping\n", b"hvdtrain-alive "
 
 
@@ -63,9 +65,8 @@ class LivenessService:
                     pass
 
     def describe(self) -> dict:
-        host = socket.gethostname()
-        addresses = [a for a in (os.environ.get("HOROVOD_HOSTNAME"), host, socket.getfqdn()) if a]
-        return {"rank": self.rank, "host": os.environ.get("HOROVOD_HOSTNAME") or host,
+        addresses = [a for a in (os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname(), socket.getfqdn()) if a]
+        return {"rank": self.rank, "host": launcher.host_name(),
                 "addresses": list(dict.fromkeys(addresses)), "port": self.port, "pid": os.getpid()}
 
 
