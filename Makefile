@@ -4,18 +4,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
+EXTRAS ?=
 
 .PHONY: setup demo test test-unit bench clean
 
+# EXTRAS=ray,mlflow,... also installs optional integrations (setup.py extras_require, pinned).
 setup:
-	@bash scripts/setup.sh
+	@EXTRAS="$(EXTRAS)" bash scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) -m hvdtrain --config demo $(ARGS)
 
 test: setup
-	@bash scripts/test-deps.sh
+	@VENV="$(VENV)" bash scripts/test-deps.sh
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # hvdtrain vs a raw PyTorch loop and DDP, alternating (benchmarks/compare.py; ARGS="--rounds 5" etc.)

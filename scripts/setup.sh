@@ -15,6 +15,8 @@
 #                              registry's CUDA build of torch is installed, not a local CPU-only wheel)
 #   HVDTRAIN_SKIP_APT=1        never call apt-get (the packages must already be there)
 #   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry)
+#   EXTRAS=a,b                 optional integrations to install too (setup.py extras_require, pinned),
+#                              e.g. EXTRAS=ray,mlflow; `make setup EXTRAS=...` passes it through
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,7 +39,8 @@ log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 stamp_file=$venv/.hvdtrain-setup.stamp
-stamp=$(cat "$0" "$patch_file" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}
+extras=${EXTRAS:-}
+stamp=$(cat "$0" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
 
 check_build() {
     local out
@@ -95,6 +98,10 @@ else
     pip_install "${torch_pins[@]}" "${python_pins[@]}"
 fi
 pip_install --no-deps --no-build-isolation -e "$repo"
+if [[ -n $extras ]]; then
+    log "installing extras: $extras"
+    pip_install --no-build-isolation -e "$repo[$extras]"
+fi
 
 # --- Horovod -----------------------------------------------------------------------------------
 installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)

@@ -6,8 +6,24 @@
 #   openssh-server      the two "machines" node0/node1 (tests/multinode/conftest.py); setup.sh
 #                       installs it too, it is repeated here so the tests never depend on that
 #
+#   .[test] extra       the Python packages only the tests need (setup.py: pytest and the pinned
+#                       optional integrations the tests exercise for real), into $VENV
+#
 # HVDTRAIN_SKIP_APT=1 never calls apt-get: the tests that need a missing package skip and say why.
 set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${VENV:-$repo/.venv}
+[[ $venv = /* ]] || venv=$repo/$venv
+# Python test requirements: reinstalled only when setup.py changed since the last time.
+stamp_file=$venv/.hvdtrain-test-deps.stamp
+stamp=$(sha256sum "$repo/setup.py" | cut -d' ' -f1)
+if [[ ! -f $stamp_file || $(cat "$stamp_file") != "$stamp" ]]; then
+    echo "[test-deps] installing the .[test] extra"
+    PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        "$venv/bin/python" -m pip install -q --no-build-isolation -e "$repo[test]"
+    echo "$stamp" >"$stamp_file"
+fi
 
 packages=(slurm-wlm munge openssh-server openssh-client)
 missing=()
