@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hvdtrain.tools.allreduce import run_with_deadline  # noqa: E402
+from hvdtrain.tools.process import run_with_deadline  # noqa: E402
 from tests.multinode.nodes import BIN, TwoNodes, unavailable_reason  # noqa: E402
 
 

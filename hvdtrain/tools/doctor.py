@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .allreduce import bench, print_bandwidth, run_bench, run_with_deadline
+from .allreduce import bench, print_bandwidth, run_bench
+from .process import run_with_deadline
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
 # Seconds a host may take to answer the probe once ssh has connected (it imports torch and Horovod).

@@ -12,11 +12,19 @@ import psutil
 import pytest
 
 from hvdtrain import launcher
-from hvdtrain.tools import allreduce
-from hvdtrain.tools.allreduce import (bus_bandwidth, print_bandwidth, reached, read_steps, run_with_deadline,
-                                      stall_message)
-from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, interface_line, parse_hosts, parse_sizes,
-                                   pick_interface, read_hostfile)
+from hvdtrain.tools import allreduce, process
+from hvdtrain.tools.allreduce import bus_bandwidth, print_bandwidth, reached, read_steps, stall_message
+from hvdtrain.tools.doctor import (
+    DoctorError,
+    Host,
+    compare_hosts,
+    interface_line,
+    parse_hosts,
+    parse_sizes,
+    pick_interface,
+    read_hostfile,
+)
+from hvdtrain.tools.process import run_with_deadline
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -210,7 +218,7 @@ def test_deadline_ends_the_launch_and_everything_it_started(tmp_path, monkeypatc
     assert error == ("mpi controller: no result within 3s: ranks started on node0, node1 but no allreduce "
                      "finished; try --network-interfaces lo, or --controllers gloo")
     # deadline + SIGTERM's grace (the stubborn one needs SIGKILL) + slack for a busy machine
-    assert took < 3 + allreduce.GRACE_SECONDS + 5, took
+    assert took < 3 + process.GRACE_SECONDS + 5, took
     pids = [int(pid) for pid in pid_file.read_text().split()]
     assert len(pids) == 4
     deadline = time.monotonic() + 5  # init reaps the adopted ones on its own schedule
