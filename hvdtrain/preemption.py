@@ -24,6 +24,7 @@ class StopRequest:
     def __init__(self, notice: str = "none", notice_url: str = "", poll_seconds: float = 5.0) -> None:
         self.received: int | str | None = None  # a signal number, or a cloud notice's line
         self.notice, self.notice_url, self.poll_seconds = notice, notice_url, poll_seconds
+        self.everywhere: torch.Tensor | None = None  # [ranks with a signal, ranks with a notice]
 
     @classmethod
     def for_config(cls, runtime) -> "StopRequest":
@@ -52,11 +53,17 @@ class StopRequest:
                 signal.signal(sig, handler)
 
     def agreed(self) -> bool:
-        """True on every rank as soon as any rank has received a stop signal (a collective)."""
-        local = torch.tensor([1.0 if self.received else 0.0], dtype=torch.float64)
-        return bool(dist.allreduce_sum(local, name="hvdtrain.stop_request")[0] > 0)
+        """True on every rank as soon as any rank has received a stop signal or notice (a collective)."""
+        local = torch.tensor([1.0 if isinstance(self.received, int) else 0.0,
+                              1.0 if isinstance(self.received, str) else 0.0], dtype=torch.float64)
+        self.everywhere = dist.allreduce_sum(local, name="hvdtrain.stop_request")
+        return bool(self.everywhere.sum() > 0)
 
     def reason(self) -> str:
         if isinstance(self.received, str):
             return self.received
-        return signal.Signals(self.received).name if self.received else "a stop signal sent to another rank"
+        if self.received:
+            return signal.Signals(self.received).name
+        if self.everywhere is not None and self.everywhere[1] > 0:
+            return f"a {self.notice} preemption notice seen by another rank"
+        return "a stop signal sent to another rank"

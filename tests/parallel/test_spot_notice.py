@@ -21,7 +21,7 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
     run_dir = tmp_path / "run"
     with metadata_server("aws") as server:
         notice = ["runtime.preemption_notice=aws", f"runtime.preemption_notice_url={server.url}",
-                  "runtime.preemption_poll_seconds=0.5"]
+                  "runtime.preemption_poll_seconds=0.2"]
         job = start_job("horovodrun-gloo", [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir, *notice),
                         tmp_path)
         try:
@@ -37,7 +37,7 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
     output = "".join(lines) + rest
     assert elapsed < 30, f"took {elapsed:.1f}s to stop after the notice"
     assert job.returncode == 75, output[-2000:]
-    assert output.count(f"hvdtrain: watching for aws preemption notices at {server.url} every 0.5 s") == 1
+    assert output.count(f"hvdtrain: watching for aws preemption notices at {server.url} every 0.2 s") == 1
     assert "stopped by an AWS spot interruption notice (terminate at 2026-11-23T04:12:00Z)" in output
     assert "Resume with the same command" in output
     # Both ranks polled (IMDSv2: a token each, then GETs with it) while training went on.
