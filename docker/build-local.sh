@@ -29,7 +29,9 @@ if ! podman image exists "$base"; then
     start=$SECONDS
     debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$rootfs.log" 2>&1 \
         || { tail -20 "$rootfs.log"; die "debootstrap failed (log: $rootfs.log)"; }
-    tar -C "$rootfs" -c . | podman import -q - "$base" >/dev/null
+    # An imported tarball has no ENV at all; give it the PATH that registry images of Debian have.
+    tar -C "$rootfs" -c . | podman import -q --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        - "$base" >/dev/null
     rm -f "$rootfs.log"
     log "base ready in $((SECONDS - start)) s"
 fi
