@@ -65,5 +65,5 @@ class StopRequest:
         if self.received:
             return signal.Signals(self.received).name
         if self.everywhere is not None and self.everywhere[1] > 0:
-            return f"a {self.notice} preemption notice seen by another rank"
+            return f"a preemption notice ({self.notice}) seen by another rank"
         return "a stop signal sent to another rank"
