@@ -136,6 +136,12 @@ class RuntimeConfig:
     """Write Horovod's timeline (Chrome trace JSON, with cycle marks) to this file; empty = off."""
     timeline_steps: str = ""
     """Global steps to record in the timeline, as START-END (e.g. 100-120); empty = the whole run."""
+    preemption_notice: Literal["none", "aws", "azure", "gcp"] = "none"
+    """Poll this cloud's spot/preemption notice; on a notice every rank checkpoints and exits 75, as on SIGTERM (docs/cloud.md)."""
+    preemption_notice_url: str = ""
+    """Base URL of the notice endpoint; empty = the cloud's (http://169.254.169.254, GCP: http://metadata.google.internal)."""
+    preemption_poll_seconds: float = 5.0
+    """Seconds between two polls of the notice endpoint (each request times out after 2 s)."""
 
 
 @dataclass
@@ -290,6 +296,14 @@ def validate(cfg: Config) -> None:
     step_range(cfg.runtime.timeline_steps)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
+    if cfg.runtime.preemption_poll_seconds <= 0:
+        raise ConfigError(f"config key 'runtime.preemption_poll_seconds' must be positive, got {cfg.runtime.preemption_poll_seconds}")
+    if cfg.runtime.preemption_notice_url and cfg.runtime.preemption_notice == "none":
+        raise ConfigError("config key 'runtime.preemption_notice_url' is set but runtime.preemption_notice=none: "
+                          "name the cloud (aws, azure or gcp)")
+    if cfg.runtime.preemption_notice_url and not cfg.runtime.preemption_notice_url.startswith(("http://", "https://")):
+        raise ConfigError(f"config key 'runtime.preemption_notice_url': expected an http:// or https:// URL, "
+                          f"got '{cfg.runtime.preemption_notice_url}'")
 
 
 def step_range(text: str) -> tuple[int, int] | None:

@@ -178,7 +178,7 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
     resume_locally(run)
     samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
     elastic_state = ElasticState(run.state, len(run.task.sum_fields), samples)
-    stop = StopRequest()
+    stop = StopRequest.for_config(cfg.runtime)
     outputs: list[Outputs] = []
     last: dict[str, Any] = {}
 

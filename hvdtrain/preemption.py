@@ -1,6 +1,7 @@
-"""Graceful stop on SIGTERM / SIGUSR1 (what Slurm, Kubernetes and most schedulers send).
+"""Graceful stop on SIGTERM / SIGUSR1 (what Slurm, Kubernetes and most schedulers send), or on a
+cloud's spot/preemption notice (runtime.preemption_notice; spot.py polls for it on a thread).
 
-The signal handler only records the request. At every step boundary the ranks agree on it with
+The signal handler (or the notice thread) only records the request. At every step boundary the ranks agree on it with
 one tiny allreduce, so a signal that reaches a single rank still stops every rank at the same step,
 and no rank is left waiting in a collective.
 """
@@ -13,14 +14,24 @@ from typing import Iterator
 
 import torch
 
-from . import dist
+from . import dist, launcher
+from .spot import NoticeWatcher
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequest:
-    def __init__(self) -> None:
-        self.received: int | None = None
+    def __init__(self, notice: str = "none", notice_url: str = "", poll_seconds: float = 5.0) -> None:
+        self.received: int | str | None = None  # a signal number, or a cloud notice's line
+        self.notice, self.notice_url, self.poll_seconds = notice, notice_url, poll_seconds
+        self.everywhere: torch.Tensor | None = None  # [ranks with a signal, ranks with a notice]
+
+    @classmethod
+    def for_config(cls, runtime) -> "StopRequest":
+        return cls(runtime.preemption_notice, runtime.preemption_notice_url, runtime.preemption_poll_seconds)
+
+    def _on_notice(self, line: str) -> None:
+        self.received = self.received or line
 
     def _handler(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         self.received = signum
@@ -28,16 +39,31 @@ class StopRequest:
     @contextlib.contextmanager
     def installed(self) -> Iterator["StopRequest"]:
         previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
+        watcher = None
+        if self.notice != "none":
+            # Every rank polls its own host's endpoint; one line per host says where, or that it is silent.
+            say = (lambda line: print(line, flush=True)) if launcher.local_rank() == 0 else None
+            watcher = NoticeWatcher(self.notice, self.notice_url, self.poll_seconds, self._on_notice, say).start()
         try:
             yield self
         finally:
+            if watcher is not None:
+                watcher.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
     def agreed(self) -> bool:
-        """True on every rank as soon as any rank has received a stop signal (a collective)."""
-        local = torch.tensor([1.0 if self.received else 0.0], dtype=torch.float64)
-        return bool(dist.allreduce_sum(local, name="hvdtrain.stop_request")[0] > 0)
+        """True on every rank as soon as any rank has received a stop signal or notice (a collective)."""
+        local = torch.tensor([1.0 if isinstance(self.received, int) else 0.0,
+                              1.0 if isinstance(self.received, str) else 0.0], dtype=torch.float64)
+        self.everywhere = dist.allreduce_sum(local, name="hvdtrain.stop_request")
+        return bool(self.everywhere.sum() > 0)
 
     def reason(self) -> str:
-        return signal.Signals(self.received).name if self.received else "a stop signal sent to another rank"
+        if isinstance(self.received, str):
+            return self.received
+        if self.received:
+            return signal.Signals(self.received).name
+        if self.everywhere is not None and self.everywhere[1] > 0:
+            return f"a preemption notice ({self.notice}) seen by another rank"
+        return "a stop signal sent to another rank"

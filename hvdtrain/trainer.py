@@ -46,7 +46,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
     resume_and_broadcast(run)
     state, loaders, position = run.state, run.loaders, run.state.position
     outputs = Outputs(run)
-    stop = StopRequest()
+    stop = StopRequest.for_config(cfg.runtime)
     progress: Progress | None = None
 
     def after_step(state: RunState) -> None:

@@ -17,6 +17,11 @@
 #   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry)
 #   EXTRAS=a,b                 optional integrations to install too (setup.py extras_require, pinned),
 #                              e.g. EXTRAS=ray,mlflow; `make setup EXTRAS=...` passes it through
+#   HVDTRAIN_EXTRA_CA=FILE     a PEM bundle that apt and pip trust besides their own (a TLS-intercepting
+#                              proxy's CA); ignored when FILE does not exist (docker/Dockerfile passes
+#                              its optional build secret this way)
+#   HVDTRAIN_RUNTIME_ONLY=1    only the run-time Debian packages for an existing venv, then check it (the
+#                              image's runtime stage: the venv was built in the builder stage)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +47,37 @@ stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
 stamp=$(cat "$0" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
 
+# Extra CA certificates: one temporary bundle (the system's, if any, plus FILE; pip's own certifi
+# bundle is added once the venv exists), removed on exit so that an image layer never keeps it.
+ca_bundle=""
+apt_ca=()
+if [[ -n ${HVDTRAIN_EXTRA_CA:-} ]]; then
+    if [[ -s $HVDTRAIN_EXTRA_CA ]]; then
+        ca_bundle=$(mktemp)
+        trap 'rm -f "$ca_bundle"' EXIT
+        cat /etc/ssl/certs/ca-certificates.crt "$HVDTRAIN_EXTRA_CA" >"$ca_bundle" 2>/dev/null || cat "$HVDTRAIN_EXTRA_CA" >"$ca_bundle"
+        apt_ca=(-o "Acquire::https::CAInfo=$ca_bundle")
+        log "trusting the extra CA certificates in $HVDTRAIN_EXTRA_CA"
+    else
+        log "no extra CA bundle at $HVDTRAIN_EXTRA_CA: using the default trust stores"
+    fi
+fi
+
+apt_install() {
+    local missing=() pkg sudo=""
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+    done
+    ((${#missing[@]})) || return 0
+    if [[ -n ${HVDTRAIN_SKIP_APT:-} ]]; then
+        die "missing Debian packages: ${missing[*]} (HVDTRAIN_SKIP_APT is set; install them first)"
+    fi
+    [[ $(id -u) -eq 0 ]] || sudo="sudo"
+    log "installing Debian packages: ${missing[*]}"
+    $sudo apt-get "${apt_ca[@]}" update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get "${apt_ca[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
 check_build() {
     local out
     out=$("$venv/bin/horovodrun" --check-build 2>&1) || { echo "$out"; return 1; }
@@ -57,22 +93,19 @@ if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]] && check_build >/dev
 fi
 
 # --- Debian packages --------------------------------------------------------------------------
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch openssh-client openssh-server
-              procps iproute2 python3-venv python3-dev)
-missing=()
-for pkg in "${apt_packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-    if [[ -n ${HVDTRAIN_SKIP_APT:-} ]]; then
-        die "missing Debian packages: ${missing[*]} (HVDTRAIN_SKIP_APT is set; install them first)"
-    fi
-    sudo=""
-    [[ $(id -u) -eq 0 ]] || sudo="sudo"
-    log "installing Debian packages: ${missing[*]}"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# Run time: what a built venv needs to train and to be reached over ssh (the image's runtime stage).
+runtime_packages=(openmpi-bin openssh-client openssh-server procps iproute2 python3)
+if [[ -n ${HVDTRAIN_RUNTIME_ONLY:-} ]]; then
+    [[ -x $venv/bin/python ]] || die "HVDTRAIN_RUNTIME_ONLY is set but there is no venv at $venv"
+    apt_install "${runtime_packages[@]}"
+    # An image layer keeps neither the package lists nor the downloaded .debs.
+    apt-get clean && rm -rf /var/lib/apt/lists/*
+    out=$(check_build) || { echo "$out" >&2; die "horovodrun --check-build does not show PyTorch, MPI and Gloo"; }
+    echo "$out" | sed 's/^/[setup]   /'
+    log "done (run-time packages only): $venv"
+    exit 0
 fi
+apt_install "${runtime_packages[@]}" libopenmpi-dev cmake g++ make patch python3-venv python3-dev
 command -v mpirun >/dev/null || die "mpirun not found after installing openmpi-bin"
 
 # --- virtual environment ---------------------------------------------------------------------
@@ -88,6 +121,10 @@ if [[ -z ${HVDTRAIN_KEEP_PIP_CONFIG:-} ]]; then
     unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [[ -n $ca_bundle ]]; then
+    "$vpy" -c 'import pip._vendor.certifi as c; print(open(c.where()).read())' >>"$ca_bundle"
+    export PIP_CERT=$ca_bundle
+fi
 pip_install() { "$vpy" -m pip install -q "$@"; }
 
 if [[ -n ${HVDTRAIN_SYSTEM_TORCH:-} ]]; then

@@ -6,6 +6,9 @@
 #   openssh-server      the two "machines" node0/node1 (tests/multinode/conftest.py); setup.sh
 #                       installs it too, it is repeated here so the tests never depend on that
 #
+#   podman, debootstrap only with the argument `image` (make test-image): build the docker image
+#                       without Docker or a registry (docker/build-local.sh) and run it via chroot
+#
 #   .[test] extra       the Python packages only the tests need (setup.py: pytest and the pinned
 #                       optional integrations the tests exercise for real), into $VENV
 #
@@ -26,6 +29,7 @@ if [[ ! -f $stamp_file || $(cat "$stamp_file") != "$stamp" ]]; then
 fi
 
 packages=(slurm-wlm munge openssh-server openssh-client)
+[[ ${1:-} != image ]] || packages=(podman debootstrap)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

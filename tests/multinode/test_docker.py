@@ -1,5 +1,5 @@
-"""What CI can check of docker/ without building the image (a full build downloads ~5 GB and
-compiles Horovod): the Dockerfile installs through scripts/setup.sh only, and the sshd config it
+"""What `make test` checks of docker/ without building the image (`make test-image` builds and runs
+it: tests/image): the Dockerfile installs through scripts/setup.sh only, and the sshd config it
 ships is valid, listens on the fixed port and lets in keys only -- proven by a real sshd."""
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ def test_dockerfile_installs_only_through_the_shared_setup_script():
         assert not re.search(r"pip\d* install|apt-get install|apt install|horovod", body), body
     base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M).group(1)
     assert base.startswith("nvidia/cuda:") and "devel" in base  # nvcc + headers for NCCL ops
-    assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS builder", text, re.M)
+    # The final stage: the same CUDA version without the compilers, the builder's venv, setup.sh's
+    # run-time mode (tests/image builds and runs it: make test-image).
+    runtime = re.search(r"^ARG RUNTIME_IMAGE=(\S+)", text, re.M).group(1)
+    assert runtime == base.replace("-devel-", "-runtime-")
+    assert re.search(r"^FROM \$\{RUNTIME_IMAGE\}$", text, re.M)
+    assert "COPY --from=builder /opt/hvdtrain /opt/hvdtrain" in text
+    assert any("HVDTRAIN_RUNTIME_ONLY=1 bash scripts/setup.sh" in body for body in runs)
+    assert all("--mount=type=secret,id=ca" in body for body in runs if "setup.sh" in body)
     port = re.search(r"^Port (\d+)", (DOCKER / "sshd_config").read_text(), re.M).group(1)
     assert f"EXPOSE {port}" in text and f"HVDTRAIN_SSH_PORT={port}" in text
     for copied in re.findall(r"^COPY (docker/\S+)", text, re.M):
