@@ -85,9 +85,9 @@ def provide_task(task: Any) -> str:
 
 def check_task(cfg: Config) -> None:
     """Load and check the task class now: a task that cannot load stops before Horovod starts."""
-    from .tasks import _IN_PROCESS, task_class
+    from .tasks import provided, task_class
 
-    if cfg.task not in _IN_PROCESS:
+    if not provided(cfg.task):
         task_class(cfg.task)
 
 

@@ -48,7 +48,7 @@ class DataEnv:
 
 
 class Task:
-    """The interface a workload implements. Every method runs on every rank.
+    """The interface a workload implements (docs/tasks.md). Every method runs on every rank.
 
     Determinism: for exact resume, ``build_loaders`` must give every rank the same global sample
     order for an epoch from ``cfg.seed`` and the epoch (use ``data.sampler.ShardedSampler``), and any
@@ -226,6 +226,11 @@ def provide(task: type[Task] | Task) -> str:
 
         _IN_PROCESS[name] = same_instance
     return name
+
+
+def provided(name: str) -> bool:
+    """Whether ``name`` is a task handed over by ``provide`` in this process."""
+    return name in _IN_PROCESS
 
 
 def build_task(cfg: Config) -> Task:

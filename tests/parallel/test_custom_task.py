@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import BIN, PROBE, REPO, job_env, launch
+from tests.helpers import BIN, PROBE, REPO, job_env, launch, wait_for_line
 
 EXAMPLE = REPO / "examples" / "custom_task"
 TASK = "elsewhere/tabular_task.py:TabularTask"  # relative to the jobs' working directory
@@ -90,11 +91,25 @@ def test_mid_epoch_resume_is_bitwise_identical(straight, work):
     assert_bitwise_equal(resumed[0]["state"], expected[0]["state"])
 
 
-def test_the_python_api_under_mpirun(work):
+def test_the_python_api_stops_on_sigterm_and_resumes_under_mpirun(work):
     # examples/custom_task/train.py: hvdtrain.fit(TabularTask(hidden=32), config.yaml, overrides),
-    # then hvdtrain.evaluate of the last checkpoint on the same ranks.
-    result = launch("mpirun", 2, [str(work / "elsewhere" / "train.py"), f"data.dir={work / 'rows'}",
-                                  f"output.dir={work / 'api'}", "train.epochs=2"], work)
+    # then hvdtrain.evaluate of the last checkpoint on the same ranks. First one process, stopped by
+    # SIGTERM in its second epoch: a checkpoint and exit 75, as python -m hvdtrain does.
+    program = [str(work / "elsewhere" / "train.py"), f"data.dir={work / 'rows'}", f"output.dir={work / 'api'}",
+               "train.epochs=2"]
+    job = subprocess.Popen([str(BIN / "python")] + program, cwd=work, env=job_env(work), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = wait_for_line(job, "epoch 1/2 ")
+        job.send_signal(signal.SIGTERM)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 75, "".join(lines) + rest
+    assert "stopped by SIGTERM in epoch 2/2" in rest
+    # Then 2 ranks under mpirun continue from that checkpoint (written by 1 rank) to the end.
+    result = launch("mpirun", 2, program, work)
+    assert "resumed from" in result.stdout and "written by 1 ranks, this job has 2" in result.stdout
     lines = [json.loads(line[line.index("{"):]) for line in result.stdout.splitlines() if '{"rank"' in line]
     assert sorted((line["rank"], line["size"]) for line in lines) == [(0, 2), (1, 2)]
     assert lines[0]["params"] == lines[1]["params"]
