@@ -92,8 +92,9 @@ def require_data_choice(config_file: str | None, cfg: Config) -> None:
     images: hours of training nobody wants, which is what a bare ``python -m hvdtrain`` would
     start. A config file counts as a choice even when it leaves data.dir empty (the demo config
     does, on purpose); an empty data.dir override alone does not (``data.dir=$UNSET_VARIABLE``).
+    Other tasks choose their data themselves: the rule is the default task's.
     """
-    if config_file or cfg.data.dir or cfg.data.synthetic:
+    if cfg.task != "image_classification" or config_file or cfg.data.dir or cfg.data.synthetic:
         return
     raise UsageError("no data chosen: add --config demo (the built-in demo) or --config imagenet_resnet50 "
                      "data.dir=/path/to/imagenet (your data); without either this would train ResNet-50 for "

@@ -177,7 +177,7 @@ class ElasticConfig:
 @dataclass
 class Config:
     task: str = "image_classification"
-    """The workload (hvdtrain/tasks): image_classification, or module:Class of your own task."""
+    """The workload (hvdtrain/tasks): image_classification, or your own task as module:Class or path/to/file.py:Class (docs/tasks.md)."""
     seed: int = 0
     """Seeds model initialization and the per-epoch shuffle (seed + epoch)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -247,7 +247,7 @@ def validate(cfg: Config) -> None:
         close = difflib.get_close_matches(cfg.task, TASKS, n=1)
         raise ConfigError(f"config key 'task': unknown task '{cfg.task}' ("
                           + (f"did you mean '{close[0]}'?" if close else
-                             f"one of {', '.join(TASKS)}, or module:Class of your own") + ")")
+                             f"one of {', '.join(TASKS)}, or module:Class or file.py:Class of your own") + ")")
     positive = {
         "train.epochs": cfg.train.epochs,
         "train.batch_size": cfg.train.batch_size,

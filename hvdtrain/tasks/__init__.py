@@ -1,12 +1,14 @@
 """Workloads behind one interface: the engine asks the task, and never names images or classes.
 
-A task is chosen by the config key ``task`` (``image_classification`` by default). It owns what is
+A task is chosen by the config key ``task`` (``image_classification`` by default; ``module:Class``
+or ``path/to/file.py:Class`` for a task of the user's own). It owns what is
 specific to a workload: its datasets and loaders, its model, its loss, the sums its metrics are
 made of and how those sums become metrics, its part of the per-epoch line, and the model metadata
 stored in checkpoints. Everything else (launch, Horovod, the optimizer step, checkpoints, resume,
 preemption, the watchdog, elastic mode) is the engine's and is shared by every task.
 
-See docs/architecture.md for the path of a step through the modules and how to add a task.
+docs/tasks.md documents the interface (enough to write a task from it alone); docs/architecture.md
+follows a step through the modules.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import importlib.util
+import os
+import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -40,7 +48,7 @@ class DataEnv:
 
 
 class Task:
-    """The interface a workload implements. Every method runs on every rank.
+    """The interface a workload implements (docs/tasks.md). Every method runs on every rank.
 
     Determinism: for exact resume, ``build_loaders`` must give every rank the same global sample
     order for an epoch from ``cfg.seed`` and the epoch (use ``data.sampler.ShardedSampler``), and any
@@ -98,10 +106,67 @@ class Task:
 
 
 REQUIRED = ("build_loaders", "build_model", "to_device", "loss", "metric_sums", "summarize")
+TASKS_DOC = "docs/tasks.md"
+"""The page that documents the task interface, in the hvdtrain repository."""
+
+# Tasks handed over as Python objects (hvdtrain.fit(MyTask, ...)): the ``task`` config value that
+# names them -> what builds them. Consulted before any import, so that a class defined in the
+# running script (``__main__``) is used as it is, not imported a second time.
+_IN_PROCESS: dict[str, Callable[[Config], Task]] = {}
+
+
+def is_file_target(module_part: str) -> bool:
+    """``path/to/file.py`` rather than ``package.module``."""
+    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+
+
+def load_file(path_text: str) -> ModuleType:
+    """The module of a ``.py`` file, imported under its file name (``my_task.py`` -> ``my_task``).
+
+    The name is stable (the same in every rank, run and loader worker) and the file's folder is
+    added at the end of ``sys.path``: a DataLoader worker started with forkserver or spawn unpickles
+    the task's dataset by importing its module by name, and must find the same file.
+    """
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"config key 'task': no file {path_text} (a path is relative to the working "
+                          f"directory, {Path.cwd()})")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", "") or "").resolve() == path:
+            return loaded
+        where = getattr(loaded, "__file__", None) or "a built-in module"
+        raise ConfigError(f"config key 'task': {path_text} would be imported as module '{name}', which is "
+                          f"already {where} (rename the file)")
+    if not name.isidentifier():
+        raise ConfigError(f"config key 'task': {path_text}: the file name must be a Python identifier "
+                          f"(rename it, e.g. to {re.sub(r'[^0-9a-zA-Z_]', '_', name)}.py)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, SyntaxError) as error:
+        del sys.modules[name]
+        raise ConfigError(f"config key 'task': cannot import {path_text} ({type(error).__name__}: "
+                          f"{one_line(error)})") from None
+    except BaseException:
+        del sys.modules[name]
+        raise
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    return module
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def task_class(name: str) -> type[Task]:
-    """The class a ``task`` config value names: a registered name, or ``module:Class``."""
+    """The class a ``task`` config value names: a registered name, ``module:Class`` or
+    ``path/to/file.py:Class``; checked against the interface."""
     target = TASKS.get(name)
     if target is None:
         if ":" not in name:
@@ -109,17 +174,67 @@ def task_class(name: str) -> type[Task]:
             hint = f"did you mean '{close[0]}'?" if close else f"known tasks: {', '.join(TASKS)}"
             raise ConfigError(f"config key 'task': unknown task '{name}' ({hint})")
         target = name
-    module_name, _, class_name = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(f"config key 'task': cannot load '{target}' ({error})") from None
-    missing = [method for method in REQUIRED if getattr(cls, method, None) is getattr(Task, method)]
-    if missing or not cls.sum_fields:
-        what = ", ".join(missing) if missing else "sum_fields"
-        raise ConfigError(f"task '{name}' lacks {what} (the task interface: docs/architecture.md)")
+    module_part, _, class_name = target.rpartition(":")
+    if is_file_target(module_part):
+        module = load_file(module_part)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as error:
+            raise ConfigError(f"config key 'task': cannot import module '{module_part}' "
+                              f"({type(error).__name__}: {one_line(error)})") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        found = sorted(key for key, value in vars(module).items()
+                       if isinstance(value, type) and issubclass(value, Task) and value is not Task)
+        raise ConfigError(f"config key 'task': {module_part} has no class '{class_name}'"
+                          + (f" (task classes there: {', '.join(found)})" if found else ""))
+    check_task_class(cls, name)
     return cls
 
 
+def check_task_class(cls: Any, name: str) -> None:
+    """One line naming what a task class lacks, and the page that documents it."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task '{name}' is not a subclass of hvdtrain.Task (the task interface: {TASKS_DOC})")
+    missing = [method for method in REQUIRED if getattr(cls, method) is getattr(Task, method)]
+    if missing:
+        raise ConfigError(f"task '{name}' lacks {', '.join(missing)} (the task interface: {TASKS_DOC})")
+    if not cls.sum_fields:
+        raise ConfigError(f"task '{name}' lacks sum_fields (the task interface: {TASKS_DOC})")
+
+
+def provide(task: type[Task] | Task) -> str:
+    """Make a task class or instance from the running program buildable by name; returns the
+    ``task`` config value that names it.
+
+    The name says where the class lives, so that checkpoints and config.yaml record it:
+    ``module:Class``, or ``path/of/script.py:Class`` for a class defined in the script that runs
+    (``__main__``). An instance is used as it is, its ``cfg`` replaced by the run's config.
+    """
+    cls = task if isinstance(task, type) else type(task)
+    module = sys.modules.get(cls.__module__)
+    script = getattr(module, "__file__", None) if cls.__module__ == "__main__" else None
+    name = f"{Path(script).resolve() if script else cls.__module__}:{cls.__qualname__}"
+    check_task_class(cls, name)
+    if isinstance(task, type):
+        _IN_PROCESS[name] = task
+    else:
+        def same_instance(cfg: Config, instance: Task = task) -> Task:
+            instance.cfg = cfg
+            return instance
+
+        _IN_PROCESS[name] = same_instance
+    return name
+
+
+def provided(name: str) -> bool:
+    """Whether ``name`` is a task handed over by ``provide`` in this process."""
+    return name in _IN_PROCESS
+
+
 def build_task(cfg: Config) -> Task:
+    factory = _IN_PROCESS.get(cfg.task)
+    if factory is not None:
+        return factory(cfg)
     return task_class(cfg.task)(cfg)

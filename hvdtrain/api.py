@@ -1,0 +1,156 @@
+"""The Python API: ``hvdtrain.fit(task, config)`` and ``hvdtrain.evaluate(checkpoint)`` from a script.
+
+A script that calls ``fit`` runs under any launcher, as ``python -m hvdtrain`` does::
+
+    horovodrun -np 2 python my_train.py
+    mpirun -np 2 -bind-to none -map-by slot python my_train.py
+    srun --mpi=pmix -n 2 python my_train.py
+
+``fit`` is the CLI's train command with the config built from Python values: it runs
+``cli.run_training`` (the static loop, or the elastic one under ``elastic.enabled``), so resume,
+checkpoints, SIGTERM/SIGUSR1, the watchdog, metrics.jsonl and tensorboard behave exactly as there.
+It also ends the process the way the CLI does where the CLI would: one line and ``SystemExit(2)``
+for a bad config or task, ``SystemExit(75)`` after a preemption checkpoint (resume by running the
+script again), ``SystemExit(1)`` when a rank is lost.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
+
+from . import cli
+from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, load_config, to_dict, validate
+
+if TYPE_CHECKING:  # torch and the tasks load only when a run starts
+    import torch
+
+    from .tasks import Task
+
+ConfigSource = Union[None, str, Path, Mapping[str, Any], Iterable[str], Config]
+TaskSource = Union[None, str, "type[Task]", "Task"]
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` returns on every rank."""
+
+    model: "torch.nn.Module"
+    """The trained model, identical on every rank (unwrapped: no DistributedOptimizer, no prefixes)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The last epoch trained: {"train": {...}, "val": {...}, "epoch": N, "step": S}; {} if none was."""
+    run_dir: Path = Path()
+    """output.dir: config.yaml, metrics.jsonl, tb/, checkpoints/ (written by rank 0)."""
+    config: Config = field(default_factory=Config)
+    """The resolved config the run used."""
+    rank: int = 0
+    size: int = 1
+
+
+def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), task: TaskSource = None) -> Config:
+    """Defaults < ``config`` (a YAML path or shipped config name, a nested or dotted dict, a list of
+    ``key=value``, or a Config) < ``overrides`` < ``task``; validated."""
+    if isinstance(config, Config):
+        cfg = from_dict(to_dict(config))
+    elif isinstance(config, (str, Path)):
+        cfg = load_config(str(config))
+    elif isinstance(config, Mapping):
+        cfg = Config()
+        apply_mapping(cfg, dict(config), source="fit(config=...)")
+    elif config is None:
+        cfg = Config()
+    else:
+        cfg = Config()
+        overrides = [*config, *overrides]
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of key=value strings, got the string '{overrides}'")
+    for override in overrides:
+        apply_override(cfg, override)
+    if task is not None:
+        cfg.task = task if isinstance(task, str) else provide_task(task)
+    validate(cfg)
+    return cfg
+
+
+def provide_task(task: Any) -> str:
+    from .tasks import Task, provide
+
+    if not (isinstance(task, Task) or isinstance(task, type)):
+        raise ConfigError(f"task must be a Task subclass, an instance of one, or a 'task' config string, "
+                          f"got {type(task).__name__} (the task interface: docs/tasks.md)")
+    return provide(task)
+
+
+def check_task(cfg: Config) -> None:
+    """Load and check the task class now: a task that cannot load stops before Horovod starts."""
+    from .tasks import provided, task_class
+
+    if not provided(cfg.task):
+        task_class(cfg.task)
+
+
+def fit(task: TaskSource = None, config: ConfigSource = None, overrides: Iterable[str] = ()) -> FitResult:
+    """Train ``task`` with ``config`` on the ranks of this job; see the module docstring.
+
+    ``task``: a Task subclass, an instance of one (its ``cfg`` becomes the run's config), or a
+    ``task`` config string (``image_classification``, ``module:Class``, ``path/to/file.py:Class``);
+    None keeps the config's. ``config``: a YAML path, a dict (``{"train": {"epochs": 3}}`` or
+    ``{"train.epochs": 3}``), a list of ``key=value`` strings, or a Config; ``overrides`` apply last.
+    """
+    with one_line_errors():
+        cfg = build_config(config, overrides, task)
+        cli.require_data_choice(None if config is None else "config", cfg)
+        check_task(cfg)
+        from . import dist  # torch and Horovod: after the config and the task are checked
+        from .run import LostRank, Preempted
+
+        try:
+            run, last = cli.run_training(cfg)
+        except Preempted as stop:
+            raise SystemExit(stop.exit_code) from None
+        except LostRank as lost:
+            if lost.speak:
+                print(lost, file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        return FitResult(model=run.state.model, metrics=last, run_dir=run.run_dir, config=cfg,
+                         rank=dist.rank(), size=dist.size())
+
+
+def evaluate(checkpoint: str | Path, overrides: Iterable[str] | Mapping[str, Any] = (),
+             task: TaskSource = None) -> dict[str, Any]:
+    """The validation metrics of a checkpoint, summed exactly over the ranks of this job (every rank
+    gets them). The config comes from the checkpoint; ``overrides`` (``key=value`` strings or a dict)
+    change it (data.dir=..., runtime.threads=...); ``task`` replaces the recorded task, e.g. with the
+    class object when the checkpoint was written by a script that defines it."""
+    with one_line_errors():
+        from . import checkpoint as checkpoints  # torch: after the arguments are in
+
+        path = Path(checkpoint)
+        cfg = from_dict(checkpoints.load(path)["config"])
+        if isinstance(overrides, Mapping):
+            apply_mapping(cfg, dict(overrides), source="evaluate(overrides=...)")
+        else:
+            for override in overrides:
+                apply_override(cfg, override)
+        if task is not None:
+            cfg.task = task if isinstance(task, str) else provide_task(task)
+        validate(cfg)
+        check_task(cfg)
+        from .run import evaluate_checkpoint
+
+        return evaluate_checkpoint(cfg, path)
+
+
+class one_line_errors:
+    """The user's errors (config, data, task, checkpoint) as the CLI reports them: one line, once
+    per job, then ``SystemExit(2)``; any other exception passes with its traceback."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None and isinstance(error, cli.user_errors()):
+            raise SystemExit(cli.report_error(error)) from None
+        return False
