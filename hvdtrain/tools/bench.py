@@ -80,15 +80,16 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     passes = settings.backward_passes_per_step
     batch = cfg.train.batch_size
     rank = dist.rank()
-    num_classes = run.task.num_classes
 
-    def batches(count: int) -> SyntheticBatches:
-        synthetic = SyntheticBatches(count * passes, batch, cfg.data.image_size, num_classes, cfg.seed + rank)
-        if settings.device.type == "cuda":  # as the trainer's loaders do on CUDA: asynchronous copies
+    def batches(count: int):
+        # The task's own batches (synthetic images for image classification), loaded before timing.
+        synthetic = run.task.bench_batches(count * passes, rank)
+        if settings.device.type == "cuda" and isinstance(synthetic, SyntheticBatches):
+            # as the trainer's loaders do on CUDA: asynchronous copies
             synthetic.images, synthetic.labels = synthetic.images.pin_memory(), synthetic.labels.pin_memory()
         return synthetic
 
-    def timed_epoch(batches: SyntheticBatches, count: int) -> dict[str, Any]:
+    def timed_epoch(batches, count: int) -> dict[str, Any]:
         # train_one_epoch runs from the position in the epoch up to ``count``: every call starts
         # from step 0, or the warm-up would eat the first repeat and later repeats run nothing.
         state.position.start_epoch(0)
