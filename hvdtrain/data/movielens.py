@@ -29,7 +29,7 @@ FORMATS = {"ratings.csv": ",", "u.data": "\t", "ratings.dat": "::"}
 CSV_HEADER = "userId,movieId,rating,timestamp"
 MIN_RATING, MAX_RATING = 0.5, 5.0
 CACHE_VERSION = "movielens-v1"
-GENERATED_VERSION = "latent-v2"
+GENERATED_VERSION = "latent-v3"
 
 
 @dataclass
@@ -287,8 +287,9 @@ def generate_ratings(num_users: int = 610, num_items: int = 9000, num_ratings: i
     popularity = 1.0 / np.arange(1, num_items + 1) ** 0.9
     rng.shuffle(popularity)
     log_popularity = np.log(popularity)
-    counts = np.maximum(20, rng.lognormal(0, 1.0, num_users))
-    counts = np.minimum(np.maximum(20, np.round(counts * num_ratings / counts.sum())), num_items // 2).astype(int)
+    activity = rng.lognormal(0, 1.0, num_users)
+    counts = 20 + np.round(activity / activity.sum() * (num_ratings - 20 * num_users))
+    counts = np.minimum(counts, num_items // 2).astype(int)
     counts[np.argmax(counts)] += num_ratings - counts.sum()  # exactly num_ratings (the heaviest user absorbs it)
     users, items, values, stamps = [], [], [], []
     for user in range(num_users):
