@@ -168,20 +168,18 @@ class Recommendation(Task):
                 f"{split.seconds:.2f}s{skipped}")
 
     def bench_batches(self, count: int, rank: int) -> list:
-        """The first ``count`` training batches of the epoch (real data: the model's cost depends on it)."""
-        assert self.split is not None
-        batches = []
-        while len(batches) < count:
-            for batch in self.train_loader_for_bench():
-                batches.append(batch)
-                if len(batches) == count:
-                    break
-        return batches
-
-    def train_loader_for_bench(self) -> SampledBatches:
+        """The first ``count`` training batches of this rank (real data: sparse gradients cost what the
+        batches' rows make them cost), repeating the epoch if it is shorter."""
         cfg = self.cfg
-        sampler = ShardedSampler(len(self.train_set), dist.size(), dist.rank(), seed=cfg.seed, shuffle=True, pad=True)
-        return SampledBatches(sampler, cfg.train.batch_size, True, self.train_set.batch)
+        sampler = ShardedSampler(len(self.train_set), dist.size(), rank, seed=cfg.seed, shuffle=True, pad=True)
+        loader = SampledBatches(sampler, cfg.train.batch_size, True, self.train_set.batch)
+        if len(loader) == 0:
+            raise DataError(f"hvdtrain bench: the training split has {len(self.train_set)} samples, too few for "
+                            f"one batch of {cfg.train.batch_size} on each of {dist.size()} ranks")
+        batches: list = []
+        while len(batches) < count:
+            batches.extend(loader)
+        return batches[:count]
 
     # --- model and loss --------------------------------------------------------------------------
 
