@@ -178,14 +178,16 @@ def test_mf_learns_well_below_the_global_mean_on_the_built_in_data(tmp_path):
 
 
 def test_ncf_beats_popularity_by_a_clear_margin(tmp_path):
-    """NCF on generated ratings of 200 users: HR@10 clearly above ranking by popularity."""
+    """NCF on generated ratings of 200 users, 3 epochs of 234 steps: HR@10 clearly above ranking by
+    popularity (measured: 0.615 against 0.450; 200 users make a standard error of about 0.035)."""
     from hvdtrain.data.movielens import generate_ratings, write_ratings_csv
 
     folder = tmp_path / "ml"
     folder.mkdir()
     write_ratings_csv(folder / "ratings.csv", *generate_ratings(num_users=200, num_items=2000, num_ratings=20000))
     ranks = probe_run("single", 1, tmp_path, ["--config", "movielens_ncf", f"data.dir={folder}",
-                                              f"output.dir={tmp_path / 'run'}", "train.epochs=3", *COMMON])
+                                              f"output.dir={tmp_path / 'run'}", "train.epochs=3",
+                                              "train.batch_size=256", "optim.base_lr=0.004", *COMMON])
     val = ranks[0]["metrics"]["val"]
     assert val["samples"] == 200
     assert val["hr10"] >= val["baseline_hr10"] + 0.08, val
