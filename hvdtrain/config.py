@@ -21,7 +21,10 @@ __all__ = ["Config", "ConfigError", "load_config", "apply_override", "from_dict"
 
 PACKAGED_CONFIGS = Path(__file__).parent / "configs"
 # The tasks that ship with hvdtrain: config name -> "module:Class" (hvdtrain/tasks).
-TASKS = {"image_classification": "hvdtrain.tasks.image_classification:ImageClassification"}
+TASKS = {"image_classification": "hvdtrain.tasks.image_classification:ImageClassification",
+         "recommendation": "hvdtrain.tasks.recommendation:Recommendation"}
+# model.arch values of the recommendation task (hvdtrain/tasks/recommender_models.py).
+RECOMMENDERS = ("mf", "ncf")
 
 
 @dataclass
@@ -34,6 +37,17 @@ class ModelConfig:
     """Replace BatchNorm with Horovod's SyncBatchNorm (statistics over the global batch)."""
     dtype: Literal["float32", "float64"] = "float32"
     """Parameter and activation dtype; float64 is for numerical checks (e.g. N ranks vs one rank), several times slower."""
+    # Recommendation (task=recommendation, model.arch=mf or ncf): docs/recommendation.md
+    objective: Literal["explicit", "implicit"] = "explicit"
+    """Recommendation: explicit = predict ratings (MSE; RMSE, MAE); implicit = rated or not (BCE with sampled negatives; HR@10, NDCG@10)."""
+    embedding_dim: int = 32
+    """Recommendation: factors per user and item (MF), the GMF branch's width (NCF)."""
+    mlp_layers: str = "64,32,16"
+    """Recommendation, NCF: MLP widths, the first = the two MLP embeddings concatenated."""
+    embedding_l2: float = 0.0
+    """Recommendation: L2 penalty on the embedding rows and biases a batch uses, added to the loss (works with sparse gradients, unlike optim.weight_decay)."""
+    sparse_embeddings: bool = False
+    """Recommendation: embeddings produce sparse gradients, sent through Horovod's sparse path (allgather) unless dist.sparse_as_dense."""
 
 
 @dataclass
@@ -60,6 +74,19 @@ class DataConfig:
     """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
     index_cache: bool = True
     """Cache the file list of data.dir under $HVDTRAIN_CACHE (default ~/.cache/hvdtrain); false = scan at every start."""
+    # Recommendation (MovieLens ratings.csv, u.data or ratings.dat in data.dir; empty = built-in data)
+    split: Literal["leave_last_out", "random"] = "leave_last_out"
+    """Recommendation: validation = each user's latest rating (leave_last_out, He et al. 2017) or a seeded random data.split_fraction of the ratings."""
+    split_fraction: float = 0.1
+    """Recommendation, data.split=random: the fraction of ratings held out for validation."""
+    negatives: int = 4
+    """Recommendation, implicit: sampled negatives per positive in training, drawn from (seed, epoch, index)."""
+    eval_negatives: int = 100
+    """Recommendation, implicit: items the user never rated ranked against each held-out one (HR@10, NDCG@10)."""
+    on_bad_line: Literal["fail", "skip"] = "fail"
+    """Recommendation: a malformed ratings line: fail = stop, naming the file and line; skip = count and skip it."""
+    ratings_cache: bool = True
+    """Recommendation: cache the parsed and split ratings next to the source (or under $HVDTRAIN_CACHE); rebuilt when the source changes."""
 
 
 @dataclass
@@ -92,6 +119,8 @@ class OptimConfig:
     """Label smoothing of the training loss (validation loss is plain cross-entropy)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
+    optimizer: Literal["sgd", "adagrad", "adam"] = "sgd"
+    """sgd (momentum, nesterov); adagrad; adam. With sparse gradients: sgd or adagrad, and optim.weight_decay=0."""
 
 
 @dataclass
@@ -108,6 +137,8 @@ class DistConfig:
     """Horovod's stall inspector: warn when some ranks have not submitted a tensor the others wait on for this long; 0 = off."""
     stall_shutdown_seconds: int = 0
     """Horovod's stall inspector: shut the job down after a stall this long (above stall_warning_seconds); 0 = never."""
+    sparse_as_dense: bool = False
+    """Convert sparse gradients (model.sparse_embeddings) to dense before the allreduce; false = Horovod's sparse allgather."""
 
 
 @dataclass
@@ -289,6 +320,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'output.dir' must not be empty")
     if cfg.model.dtype == "float64" and cfg.amp.enabled:
         raise ConfigError("model.dtype=float64 and amp.enabled=true exclude each other (set amp.enabled=false)")
+    validate_recommendation(cfg)
     stall = cfg.dist
     if stall.stall_shutdown_seconds and stall.stall_shutdown_seconds <= stall.stall_warning_seconds:
         raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
@@ -304,6 +336,31 @@ def validate(cfg: Config) -> None:
     if cfg.runtime.preemption_notice_url and not cfg.runtime.preemption_notice_url.startswith(("http://", "https://")):
         raise ConfigError(f"config key 'runtime.preemption_notice_url': expected an http:// or https:// URL, "
                           f"got '{cfg.runtime.preemption_notice_url}'")
+
+
+def validate_recommendation(cfg: Config) -> None:
+    model, data = cfg.model, cfg.data
+    if cfg.task == "recommendation" and model.arch not in RECOMMENDERS:
+        raise ConfigError(f"config key 'model.arch': task=recommendation takes {' or '.join(RECOMMENDERS)}, "
+                          f"got '{model.arch}' (e.g. --config movielens or model.arch=mf)")
+    if model.embedding_dim <= 0 or data.negatives <= 0 or data.eval_negatives <= 0:
+        raise ConfigError("config keys 'model.embedding_dim', 'data.negatives' and 'data.eval_negatives' must be "
+                          f"positive, got {model.embedding_dim}, {data.negatives}, {data.eval_negatives}")
+    if not 0 < data.split_fraction < 1:
+        raise ConfigError(f"config key 'data.split_fraction' must be between 0 and 1, got {data.split_fraction}")
+    if model.embedding_l2 < 0:
+        raise ConfigError(f"config key 'model.embedding_l2' must be >= 0, got {model.embedding_l2}")
+    parts = model.mlp_layers.split(",")
+    if not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise ConfigError(f"config key 'model.mlp_layers': expected positive widths separated by commas, "
+                          f"e.g. 64,32,16, got '{model.mlp_layers}'")
+    if model.sparse_embeddings:
+        if cfg.optim.optimizer == "adam":
+            raise ConfigError("model.sparse_embeddings=true needs optim.optimizer=sgd or adagrad (torch's Adam "
+                              "takes no sparse gradients), or set model.sparse_embeddings=false")
+        if cfg.optim.weight_decay > 0:
+            raise ConfigError("model.sparse_embeddings=true needs optim.weight_decay=0 (torch applies no weight "
+                              "decay to sparse gradients): regularize with model.embedding_l2 instead")
 
 
 def step_range(text: str) -> tuple[int, int] | None:

@@ -277,14 +277,20 @@ def distributed_optimizer(
     compression: str,
     backward_passes_per_step: int,
     op: str,
+    sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so that gradients are allreduced during backward."""
+    """Wrap ``optimizer`` so that gradients are allreduced during backward.
+
+    Sparse gradients (embeddings with ``sparse=True``) go through Horovod's sparse path, an
+    allgather of every rank's indices and values, or with ``sparse_as_dense`` are made dense and
+    allreduced like the rest."""
     return hvd.DistributedOptimizer(
         optimizer,
         named_parameters=list(named_parameters),
         compression=Compression.fp16 if compression == "fp16" else Compression.none,
         backward_passes_per_step=backward_passes_per_step,
         op=hvd.Adasum if op == "adasum" else hvd.Average,
+        sparse_as_dense=sparse_as_dense,
     )
 
 

@@ -79,6 +79,20 @@ def build_sgd(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.op
                            nesterov=optim.nesterov and optim.momentum > 0)
 
 
+def build_torch_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """``optim.optimizer``: SGD (the default), Adagrad or Adam, weight decay on weights only.
+
+    SGD and Adagrad also take sparse gradients (embeddings with ``sparse=True``), without weight
+    decay (config.validate checks it); Adam takes dense gradients only.
+    """
+    if optim.optimizer == "sgd":
+        return build_sgd(model, optim, lr)
+    groups = param_groups(model, optim.weight_decay)
+    if optim.optimizer == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr)
+    return torch.optim.Adam(groups, lr=lr)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

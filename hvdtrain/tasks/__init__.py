@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -103,6 +103,16 @@ class Task:
     def checkpoint_metadata(self) -> dict[str, Any]:
         """Plain values stored in checkpoints (e.g. the number of classes), for evaluation and tools."""
         return {}
+
+    def state_components(self) -> dict[str, Any]:
+        """Pieces of state the task carries through checkpoints, resume and elastic commits (objects
+        with ``state_dict()`` / ``load_state_dict()``, registered on the run's state after
+        ``build_loaders``), e.g. the id mapping a model's embedding rows follow."""
+        return {}
+
+    def bench_batches(self, count: int, rank: int) -> Sequence[Any]:
+        """``count`` training batches of this rank for ``hvdtrain bench`` (loaded before timing)."""
+        raise NotImplementedError(f"task '{self.name}' has no benchmark batches")
 
 
 REQUIRED = ("build_loaders", "build_model", "to_device", "loss", "metric_sums", "summarize")

@@ -157,3 +157,7 @@ class ImageClassification(Task):
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         return {"arch": self.cfg.model.arch, "num_classes": self.num_classes}
+
+    def bench_batches(self, count: int, rank: int) -> SyntheticBatches:
+        cfg = self.cfg
+        return SyntheticBatches(count, cfg.train.batch_size, cfg.data.image_size, self.num_classes, cfg.seed + rank)

@@ -80,15 +80,16 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     passes = settings.backward_passes_per_step
     batch = cfg.train.batch_size
     rank = dist.rank()
-    num_classes = run.task.num_classes
 
-    def batches(count: int) -> SyntheticBatches:
-        synthetic = SyntheticBatches(count * passes, batch, cfg.data.image_size, num_classes, cfg.seed + rank)
-        if settings.device.type == "cuda":  # as the trainer's loaders do on CUDA: asynchronous copies
+    def batches(count: int):
+        # The task's own batches (synthetic images for image classification), loaded before timing.
+        synthetic = run.task.bench_batches(count * passes, rank)
+        if settings.device.type == "cuda" and isinstance(synthetic, SyntheticBatches):
+            # as the trainer's loaders do on CUDA: asynchronous copies
             synthetic.images, synthetic.labels = synthetic.images.pin_memory(), synthetic.labels.pin_memory()
         return synthetic
 
-    def timed_epoch(batches: SyntheticBatches, count: int) -> dict[str, Any]:
+    def timed_epoch(batches, count: int) -> dict[str, Any]:
         # train_one_epoch runs from the position in the epoch up to ``count``: every call starts
         # from step 0, or the warm-up would eat the first repeat and later repeats run nothing.
         state.position.start_epoch(0)
@@ -125,6 +126,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         step_phases = {k[len("phase_"):]: v for k, v in epoch_phases(gathered).items() if k.startswith("phase_")}
     total_mean, total_half = interval95(totals)
     return {
+        "task": run.task.name, "unit": getattr(run.task, "unit", "samples"),
         "arch": cfg.model.arch, "image_size": cfg.data.image_size, "batch_size": batch,
         "backward_passes_per_step": passes, "world_size": dist.size(), "controller": dist.controller(),
         "device": settings.device.type, "threads_per_rank": torch.get_num_threads(),
@@ -140,8 +142,10 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
 
 
 def format_report(result: dict[str, Any]) -> list[str]:
+    unit = result.get("unit", "img")
+    size = f" {result['image_size']}px" if unit == "img" else ""
     lines = [
-        f"bench: {result['arch']} {result['image_size']}px, batch {result['batch_size']}/rank x "
+        f"bench: {result['arch']}{size}, batch {result['batch_size']}/rank x "
         f"{result['backward_passes_per_step']} passes x {result['world_size']} ranks ({result['controller']} "
         f"controller), {result['device']}, {result['threads_per_rank']} threads/rank, compression "
         f"{result['compression']}, amp {result['amp']}, compile {str(result['compile']).lower()}",
@@ -149,9 +153,9 @@ def format_report(result: dict[str, Any]) -> list[str]:
         f"{result['steps']} steps timed",
     ]
     for row in result["per_rank"]:
-        lines.append(f"bench: rank {row['rank']}: {row['images_per_sec']:.2f} img/s "
+        lines.append(f"bench: rank {row['rank']}: {row['images_per_sec']:.2f} {unit}/s "
                      f"+- {row['ci95']:.2f} (95% interval)")
-    lines.append(f"bench: total: {result['images_per_sec']:.2f} img/s +- {result['ci95']:.2f} "
+    lines.append(f"bench: total: {result['images_per_sec']:.2f} {unit}/s +- {result['ci95']:.2f} "
                  f"(95% interval over {result['repeats']} repeats)")
     if result.get("phases"):
         lines.append("bench: step time: " + ", ".join(f"{LABELS[phase]} {100 * share:.1f}%"
