@@ -295,6 +295,7 @@ class Tracker:
         self.hook_seconds = 0.0     # time the training thread spent in this class (the per-step cost)
         self.hook_calls = 0
         self.mark: tuple[int, float, Any] | None = None  # (step, time, rank 0's sums) at the last point
+        self.last_point = -1        # the step of the last step-level point queued
         self.staging = run_dir / "tracking-staging"
         self.artifacts = 0
         state.starting = threading.Event()
@@ -318,6 +319,10 @@ class Tracker:
         learning rate of the last step and the images/s of all ranks."""
         if not self.every or step % self.every or self.mark is None:
             return
+        if step <= self.last_point:  # an elastic rollback trains these steps again: sent already
+            self.skipped += 1
+            return
+        self.last_point = step
         began = time.perf_counter()
         local = sums.local()
         mark_step, mark_time, mark_sums = self.mark
@@ -351,20 +356,24 @@ class Tracker:
         self.put(("artifact", staged, kind))
 
     def close(self, status: str) -> None:
-        """Send what is queued and end the runs, waiting at most ``FLUSH_SECONDS``."""
+        """Send what is queued and end the runs, waiting at most ``FLUSH_SECONDS`` in all."""
+        deadline = time.monotonic() + FLUSH_SECONDS
         try:
             self.queue.put(("finish", status), timeout=FLUSH_SECONDS)
         except queue.Full:
             self.dropped += 1
-        self.thread.join(FLUSH_SECONDS)
-        lost = self.queue.qsize() if self.thread.is_alive() else 0
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        lost = self.queue.qsize() + 1 if self.thread.is_alive() else 0
         problems = [f"{n} sends to {name} failed" for name, n in self.failed.items() if n]
         if self.dropped:
             problems.append(f"{self.dropped} values dropped (queue full)")
         if lost:
-            problems.append(f"{lost} entries not sent within {FLUSH_SECONDS:.0f} s")
-        if problems:
-            self.log(f"hvdtrain: tracking: {'; '.join(problems)}")
+            problems.append(f"{lost} entries not sent within {FLUSH_SECONDS:g} s")
+        if self.skipped:
+            problems.append(f"{self.skipped} step-level points not sent again (sent before an interruption)")
+        cost = f"{1e6 * self.hook_seconds / self.hook_calls:.0f} us per point" if self.hook_calls else "none"
+        self.log(f"hvdtrain: tracking: training-thread cost {cost}"
+                 + (f"; {'; '.join(problems)}" if problems else ""))
         shutil.rmtree(self.staging, ignore_errors=True)
 
     # background thread ---------------------------------------------------------------------------
