@@ -48,7 +48,8 @@ FLUSH_SECONDS = 30.0          # at the end of the run (or on a stop signal): the
 ID_WAIT_SECONDS = 10.0        # a checkpoint written while a run is still being created waits this long for its id
 # MLflow's HTTP client retries for minutes by default; a tracker must give up quickly (users may override).
 MLFLOW_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-                       "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+                       "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}  # the start-up line names the run
 STEP_KEY = "train_step/loss"  # MLflow: the highest step already sent is read back from this metric on resume
 
 
