@@ -10,8 +10,12 @@ setup(
     # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
     install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
                       "psutil"],
-    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"], "test": ["pytest==9.2.0"],
+    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
+                    # mlflow (not mlflow-skinny): tests/parallel/test_tracking.py starts a real `mlflow server`
+                    "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
-                    "gpu": ["nvidia-ml-py==13.615.71"]},
+                    "gpu": ["nvidia-ml-py==13.615.71"],
+                    # experiment tracking (docs/tracking.md): tracking.wandb.*, tracking.mlflow.*
+                    "wandb": ["wandb==0.31.0"], "mlflow": ["mlflow==3.17.2"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
 )

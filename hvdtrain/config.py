@@ -206,6 +206,44 @@ class ElasticConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False
+    """Send the run to Weights & Biases from rank 0 (pip install -e .[wandb])."""
+    project: str = "hvdtrain"
+    """W&B project."""
+    entity: str = ""
+    """W&B entity (team or user); empty = your default entity."""
+    name: str = ""
+    """Display name of the run; empty = the last folder of output.dir."""
+    tags: str = ""
+    """Comma-separated tags of the run."""
+    mode: Literal["online", "offline"] = "online"
+    """online = send to the W&B server; offline = write under <output.dir>/wandb, upload later with wandb sync."""
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    """Send the run to an MLflow tracking server from rank 0 (pip install -e .[mlflow])."""
+    tracking_uri: str = ""
+    """e.g. http://host:5000; empty = $MLFLOW_TRACKING_URI, else MLflow's default."""
+    experiment: str = "hvdtrain"
+    """MLflow experiment (created when missing)."""
+    run_name: str = ""
+    """Run name; empty = the last folder of output.dir."""
+
+
+@dataclass
+class TrackingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    every_steps: int = 10
+    """Send the step-level train loss, learning rate and images/s every this many optimizer steps; 0 = epoch records only."""
+    log_checkpoints: Literal["none", "best", "last"] = "none"
+    """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
+
+
+@dataclass
 class Config:
     task: str = "image_classification"
     """The workload (hvdtrain/tasks): image_classification, or your own task as module:Class or path/to/file.py:Class (docs/tasks.md)."""
@@ -221,6 +259,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") -> None:
@@ -336,6 +375,11 @@ def validate(cfg: Config) -> None:
     if cfg.runtime.preemption_notice_url and not cfg.runtime.preemption_notice_url.startswith(("http://", "https://")):
         raise ConfigError(f"config key 'runtime.preemption_notice_url': expected an http:// or https:// URL, "
                           f"got '{cfg.runtime.preemption_notice_url}'")
+    if cfg.tracking.every_steps < 0:
+        raise ConfigError(f"config key 'tracking.every_steps' must be >= 0, got {cfg.tracking.every_steps}")
+    if cfg.tracking.log_checkpoints != "none" and not (cfg.tracking.wandb.enabled or cfg.tracking.mlflow.enabled):
+        raise ConfigError(f"config key 'tracking.log_checkpoints={cfg.tracking.log_checkpoints}' needs a tracker "
+                          "(tracking.wandb.enabled=true or tracking.mlflow.enabled=true)")
 
 
 def validate_recommendation(cfg: Config) -> None:

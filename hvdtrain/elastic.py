@@ -38,7 +38,6 @@ from . import dist
 from .config import Config, ConfigError
 from .data.loaders import shutdown_workers
 from .engine import train_one_epoch
-from .metrics import MetricSums
 from .optim import LRSchedule
 from .preemption import StopRequest
 from .run import Outputs, Run, end_epoch, log, resume_locally, setup, stop_for_preemption
@@ -198,7 +197,7 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
 
             # Metric sums of the epoch's committed steps (global), and this call's own (local).
             committed_before = es.train_sums.clone()
-            sums = MetricSums(len(run.task.sum_fields))
+            sums = out.epoch_sums(run)
 
             def epoch_sums() -> torch.Tensor:
                 return committed_before + dist.allreduce_sum(sums.local(), name="hvdtrain.elastic.train_sums")
@@ -212,6 +211,7 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
                     es.commit()
                 if run.timeline is not None:
                     run.timeline.at_step(position.step)
+                out.after_step(run, sums)
 
             if run.stats is not None:
                 run.stats.take_epoch()  # the epoch's statistics cover its training

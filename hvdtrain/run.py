@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, dist
+from . import checkpoint, dist, tracking
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
 from .config import Config, dump_yaml, step_range, to_dict
 from .data.loaders import Loaders
 from .dist import log
 from .engine import StepSettings, evaluate
-from .metrics import MetricsWriter
+from .metrics import MetricSums, MetricsWriter
 from .observe import TimelineWindow, add_rank_report
 from .optim import LRSchedule
 from .preemption import StopRequest
@@ -55,6 +55,7 @@ class Run:
 def setup(cfg: Config) -> Run:
     """Everything before the first step, identical on every rank (no checkpoint loaded yet)."""
     elastic = cfg.elastic.enabled
+    tracking.require_packages(cfg)
     dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
               stall_warning_seconds=cfg.dist.stall_warning_seconds,
               stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
@@ -77,6 +78,8 @@ def setup(cfg: Config) -> Run:
     state = RunState(model, build_optimizer(cfg, model, schedule, device), scaler)
     for name, component in task.state_components().items():
         state.register(name, component)
+    if tracking.enabled(cfg):
+        state.register("tracking", tracking.TrackingState())  # the trackers' run ids, carried by checkpoints
     settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                             clip_grad_norm=cfg.optim.clip_grad_norm,
                             backward_passes_per_step=cfg.train.backward_passes_per_step,
@@ -188,17 +191,34 @@ def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best:
 
 
 class Outputs:
-    """Rank 0's writers (metrics.jsonl, tensorboard, checkpoints); inert on other ranks."""
+    """Rank 0's writers (metrics.jsonl, tensorboard, checkpoints, trackers); inert on other ranks."""
 
     def __init__(self, run: Run):
-        self.writer, self.saver = None, None
+        self.writer, self.saver, self.tracker = None, None, None
         if dist.is_primary():
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg))
             self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard)
             self.saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=run.cfg.checkpoint.keep)
+            if "tracking" in run.state.extra:
+                self.tracker = tracking.Tracker(run.cfg, run.run_dir, run.state.extra["tracking"],
+                                                sorted({peer.host for peer in run.peers}), log)
+
+    def epoch_sums(self, run: Run) -> MetricSums:
+        """The sums the epoch's training accumulates into (every rank); the tracker reads rank 0's."""
+        sums = MetricSums(len(run.task.sum_fields))
+        if self.tracker is not None:
+            self.tracker.start_epoch(run.state.position.step, sums)
+        return sums
+
+    def after_step(self, run: Run, sums: MetricSums) -> None:
+        if self.tracker is not None:
+            self.tracker.after_step(run.state.position.step, sums, run.task.summarize,
+                                    run.state.optimizer.param_groups[0]["lr"], run.global_batch)
 
     def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close(tracking.close_status())  # before the writers: it may log
         if self.writer is not None:
             self.writer.close()
 
@@ -227,12 +247,17 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     is_best = is_better(task, val_metrics[task.best_metric], state.best_metric)
     if is_best:
         state.best_metric = val_metrics[task.best_metric]
-    save_checkpoint(run, outputs.saver, is_best=is_best)
+    path = save_checkpoint(run, outputs.saver, is_best=is_best)
     step = state.position.step
     if outputs.writer is not None:
         for split, values in (("train", train_metrics), ("val", val_metrics)):
-            outputs.writer.write({"split": split, "epoch": epoch, "step": step,
-                                  **{k: v for k, v in values.items() if k not in ("stopped", "steps")}})
+            record = {"split": split, "epoch": epoch, "step": step,
+                      **{k: v for k, v in values.items() if k not in ("stopped", "steps")}}
+            outputs.writer.write(record)
+            if outputs.tracker is not None:
+                outputs.tracker.epoch(record)
+        if outputs.tracker is not None:
+            outputs.tracker.checkpoint(path, is_best)
         log(epoch_line(run, epoch, train_metrics, val_metrics))
     return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": step}
 

@@ -57,6 +57,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
         if every and position.step % every == 0 and position.step_in_epoch < run.steps_per_epoch:
             run.watchdog.disarm()
             save_checkpoint(run, outputs.saver)
+        outputs.after_step(run, sums)
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
         if run.timeline is not None:
             run.timeline.at_step(position.step)
@@ -79,8 +80,10 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
                     run.watchdog.beat()
                 if run.stats is not None:
                     run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
+                sums = outputs.epoch_sums(run)
                 train_metrics = train_one_epoch(state, run.settings, loaders.train, run.steps_per_epoch,
-                                                dist.allreduce_sum, on_step=after_step, should_stop=stop.agreed)
+                                                dist.allreduce_sum, on_step=after_step, should_stop=stop.agreed,
+                                                sums=sums)
                 run.watchdog.disarm()
                 if progress:
                     progress.close()

@@ -1,0 +1,83 @@
+"""What experiment tracking costs a training step: CPU resnet18, one rank, synthetic data, with
+tracking off and with both trackers on (W&B offline, MLflow against a running server) sending
+step-level values at every step (the worst case; the default is every 10 steps).
+
+    python benchmarks/tracking_cost.py --mlflow-uri http://127.0.0.1:5000 [--rounds 3] [--steps 20]
+
+Each round runs "off" and "on" once, alternating which goes first. A run's step time is its second
+epoch's training seconds over its steps (the first epoch holds start-up: the trackers' imports and
+run creation happen on their background thread then). Prints per round and the medians: step time
+off and on, their ratio, and the training thread's own time in the tracker per point (the
+``training-thread cost`` line a tracked run prints at its end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, workdir: Path) -> tuple[float, float]:
+    run_dir = Path(tempfile.mkdtemp(prefix="tracked-" if tracked else "plain-", dir=workdir))
+    args = ["-m", "hvdtrain", "--config", "debug", "data.synthetic=true", f"data.synthetic_samples={steps * batch}",
+            f"data.image_size={image_size}", f"train.batch_size={batch}", f"train.steps_per_epoch={steps}",
+            "train.epochs=2", "model.num_classes=10", f"output.dir={run_dir}", "checkpoint.keep=0"]
+    if tracked:
+        args += ["tracking.every_steps=1", "tracking.wandb.enabled=true", "tracking.wandb.mode=offline",
+                 "tracking.mlflow.enabled=true", f"tracking.mlflow.tracking_uri={uri}",
+                 "tracking.mlflow.experiment=tracking-cost"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_DATA_DIR": str(run_dir / "wd")}
+    done = subprocess.run([str(BIN / "python"), *args], cwd=run_dir, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "train"]
+    step_seconds = train[1]["seconds"] / steps
+    hook = 0.0
+    if tracked:
+        found = re.search(r"training-thread cost (\d+) us per point", done.stdout)
+        if found is None or "warning" in done.stdout.lower():
+            sys.exit(f"tracking did not run cleanly:\n{done.stdout[-3000:]}")
+        hook = int(found.group(1)) * 1e-6
+    return step_seconds, hook
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mlflow-uri", required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tracking-cost-") as workdir:
+        for round_ in range(args.rounds):
+            order = (False, True) if round_ % 2 == 0 else (True, False)
+            result = {}
+            for tracked in order:
+                result[tracked] = run_once(tracked, args.steps, args.image_size, args.batch, args.mlflow_uri,
+                                           Path(workdir))
+            (off, _), (on, hook) = result[False], result[True]
+            rows.append((off, on, hook))
+            print(f"round {round_ + 1}: step off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, ratio {on / off:.3f}, "
+                  f"tracker on the training thread {hook * 1e6:.0f} us per point ({100 * hook / off:.3f}% of a step)",
+                  flush=True)
+    off, on, hook = (statistics.median(column) for column in zip(*rows))
+    print(f"median: step off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, ratio {on / off:.3f}; tracker on the "
+          f"training thread {hook * 1e6:.0f} us per point = {100 * hook / off:.3f}% of a step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The tracker's side of the training thread, without a network: a missing package is one line, a
+tracker that hangs never holds a training step, and metrics.jsonl records map to tracker series.
+(Real MLflow and W&B runs: tests/parallel/test_tracking.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import pytest
+import torch
+
+from hvdtrain import tracking
+from hvdtrain.config import ConfigError, load_config
+from hvdtrain.metrics import MetricSums
+
+
+def test_a_tracker_that_is_not_installed_stops_with_how_to_install_it(monkeypatch):
+    cfg = load_config("debug", ["tracking.mlflow.enabled=true"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ConfigError) as error:
+        tracking.require_packages(cfg)
+    assert str(error.value) == ("tracking.mlflow.enabled=true needs the mlflow package: pip install -e .[mlflow] "
+                                "(or make setup EXTRAS=mlflow)")
+    tracking.require_packages(load_config("debug"))  # nothing enabled: nothing needed
+
+
+def test_log_checkpoints_needs_a_tracker():
+    with pytest.raises(ConfigError, match="tracking.log_checkpoints=best' needs a tracker"):
+        load_config("debug", ["tracking.log_checkpoints=best"])
+
+
+def test_epoch_records_become_tensorboard_named_series():
+    record = {"split": "train", "epoch": 2, "step": 12, "loss": 0.5, "samples": 96, "by_rank": [{"host": "a"}],
+              "stragglers": [], "flag": True}
+    assert tracking.epoch_values(record) == {"train/loss": 0.5, "train/samples": 96, "epoch": 2}
+    assert tracking.epoch_values({**record, "split": "val"}) == {"val/loss": 0.5, "val/samples": 96}
+    assert tracking.flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": 2}) == {"a.b": 1, "a.c.d": "x", "e": 2}
+
+
+class Hanging(tracking.Backend):
+    """A tracker whose every send hangs (a server that stopped answering mid-run)."""
+
+    name = "hanging"
+    release = threading.Event()
+
+    def __init__(self, cfg, run_dir):
+        self.sent = []
+
+    def start(self, ids, params, env):
+        return {"id": "h1"}, "hanging run h1"
+
+    def log(self, batch):
+        self.sent.extend(batch)
+        self.release.wait(30)
+
+    def finish(self, status):
+        pass
+
+
+def test_a_hanging_tracker_never_holds_the_training_thread(monkeypatch, tmp_path):
+    monkeypatch.setitem(tracking.BACKENDS, "hanging", Hanging)
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 1.0)
+    monkeypatch.setattr(tracking, "QUEUE_SIZE", 50)
+    cfg = load_config("debug", ["tracking.every_steps=1"])
+    lines: list[str] = []
+    state = tracking.TrackingState()
+    tracker = tracking.Tracker(cfg, tmp_path, state, ["host"], lines.append, names=["hanging"])
+    assert state.state_dict() == {"hanging": {"id": "h1"}}  # a checkpoint waits for the run's id
+    sums = MetricSums(4)
+    tracker.start_epoch(0, sums)
+    began = time.perf_counter()
+    for step in range(1, 2001):
+        sums.add(torch.tensor([1.0, 1.0, 1.0, 2.0], dtype=torch.float64))
+        tracker.after_step(step, sums, lambda s: {"loss": float(s[0] / s[3]), "samples": int(s[3])}, 0.1, 16)
+    # A send hangs for 30 s; the 2,000 steps never wait for it (generous bounds: a loaded machine).
+    assert time.perf_counter() - began < 20
+    assert tracker.hook_seconds / tracker.hook_calls < 5e-3
+    assert tracker.hook_calls == 2000 and tracker.dropped >= 2000 - 50 - 1
+    began = time.perf_counter()
+    tracker.close("finished")
+    assert time.perf_counter() - began < 5
+    assert any("values dropped (queue full)" in line and "not sent within 1 s" in line for line in lines), lines
+    Hanging.release.set()
+    sent = [values for _, _, values in tracker.backends[0].sent]
+    assert sent[0] == {"train_step/loss": 0.5, "train_step/lr": 0.1, "train_step/samples_per_sec": sent[0][
+        "train_step/samples_per_sec"]} and sent[0]["train_step/samples_per_sec"] > 0
