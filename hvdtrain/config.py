@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,10 @@ class ModelConfig:
     """Replace BatchNorm with Horovod's SyncBatchNorm (statistics over the global batch)."""
     dtype: Literal["float32", "float64"] = "float32"
     """Parameter and activation dtype; float64 is for numerical checks (e.g. N ranks vs one rank), several times slower."""
+    weights: str = ""
+    """Start from these weights (fresh runs): a torchvision weights name (IMAGENET1K_V1, DEFAULT), or a file (state dict, torchvision/timm checkpoint, hvdtrain checkpoint); empty = random init."""
+    freeze: str = ""
+    """Parameters that are not trained, as comma-separated name patterns (layer1, layer2.*, !fc); backbone = all but the classifier head. BatchNorm of frozen layers stays in eval mode."""
 
 
 @dataclass
@@ -45,7 +50,7 @@ class DataConfig:
     val_resize: int = 0
     """Validation resize before the center crop; 0 = image_size / 0.875 (256 for 224)."""
     augment: bool = True
-    """RandomResizedCrop + flip for training; false = the deterministic validation transform."""
+    """Training augmentation as set in the augment section; false = the deterministic validation transform."""
     synthetic: bool = False
     """Random tensors instead of files, for benchmarking the model and communication."""
     synthetic_samples: int = 1281167
@@ -60,6 +65,22 @@ class DataConfig:
     """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
     index_cache: bool = True
     """Cache the file list of data.dir under $HVDTRAIN_CACHE (default ~/.cache/hvdtrain); false = scan at every start."""
+    val_fraction: float = 0.0
+    """0 = validate on val/; above 0, this fraction of each class of train/ is the validation set (seeded split, kept in <output.dir>/val_split.json); val/ is not needed."""
+
+
+@dataclass
+class AugmentConfig:
+    crop: Literal["random_resized", "random_pad", "center"] = "random_resized"
+    """Training crop: random_resized (ImageNet's RandomResizedCrop), random_pad (pad by augment.pad, random crop of image_size), center (the validation crop)."""
+    scale: str = "0.08,1.0"
+    """random_resized: the range of the crop's area, as a fraction of the image (MIN,MAX)."""
+    ratio: str = "3/4,4/3"
+    """random_resized: the range of the crop's aspect ratio (MIN,MAX; fractions allowed)."""
+    pad: int = 4
+    """random_pad: pixels of zero padding on each side of the image (resized to image_size) before the random crop."""
+    hflip: float = 0.5
+    """Probability of a horizontal flip; 0 = never (digits, text)."""
 
 
 @dataclass
@@ -92,6 +113,8 @@ class OptimConfig:
     """Label smoothing of the training loss (validation loss is plain cross-entropy)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
+    head_lr_mult: float = 1.0
+    """The classifier head's learning rate relative to the rest (fine-tuning: e.g. 10)."""
 
 
 @dataclass
@@ -176,6 +199,7 @@ class Config:
     """Seeds model initialization and the per-epoch shuffle (seed + epoch)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -288,8 +312,36 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
                           f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
     step_range(cfg.runtime.timeline_steps)
+    validate_finetune_and_augment(cfg)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
+
+
+def float_pair(key: str, text: str) -> tuple[float, float]:
+    """A MIN,MAX config value (e.g. ``augment.scale``) -> (min, max), positive and ordered."""
+    parts = text.replace(" ", "").split(",")
+    try:
+        low, high = (float(Fraction(part)) for part in parts)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"config key '{key}': expected MIN,MAX (e.g. 0.08,1.0), got '{text}'") from None
+    if not 0 < low <= high:
+        raise ConfigError(f"config key '{key}': expected 0 < MIN <= MAX, got '{text}'")
+    return low, high
+
+
+def validate_finetune_and_augment(cfg: Config) -> None:
+    """The keys of the augment section, data.val_fraction and optim.head_lr_mult."""
+    aug = cfg.augment
+    float_pair("augment.scale", aug.scale)
+    float_pair("augment.ratio", aug.ratio)
+    if aug.pad < 0:
+        raise ConfigError(f"config key 'augment.pad' must be >= 0, got {aug.pad}")
+    if not 0 <= aug.hflip <= 1:
+        raise ConfigError(f"config key 'augment.hflip' is a probability (0 to 1), got {aug.hflip}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError(f"config key 'data.val_fraction' must be in [0, 1), got {cfg.data.val_fraction}")
+    if cfg.optim.head_lr_mult <= 0:
+        raise ConfigError(f"config key 'optim.head_lr_mult' must be positive, got {cfg.optim.head_lr_mult}")
 
 
 def step_range(text: str) -> tuple[int, int] | None:
