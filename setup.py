@@ -10,7 +10,11 @@ setup(
     # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
     install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
                       "psutil"],
-    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"], "test": ["pytest==9.2.0"],
+    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
+                    # the tests build a digits dataset (scikit-learn) and check timm models
+                    "test": ["pytest==9.2.0", "scikit-learn==1.9.1", "timm==1.0.31"],
+                    # timm's models (model.arch=timm/<name>)
+                    "timm": ["timm==1.0.31"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
                     "gpu": ["nvidia-ml-py==13.615.71"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
