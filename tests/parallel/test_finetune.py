@@ -30,14 +30,16 @@ def val_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_small_images_recipe_learns_digits_on_two_ranks(digits, tmp_path):
-    """The full figure (20 epochs, >= 99%) is in docs/benchmarks.md; here 3 epochs must pass 90%."""
+    """The full figure (20 epochs, >= 99%) is in docs/benchmarks.md; here 2 short epochs (22 steps,
+    the cosine schedule over them) must pass 80%."""
     run_dir = tmp_path / "run"
     launch("horovodrun-gloo", 2, ["-m", "hvdtrain", "--config", "small_images", f"data.dir={digits}",
-                                  f"output.dir={run_dir}", "train.epochs=3", "data.workers=0", "runtime.threads=1",
+                                  f"output.dir={run_dir}", "train.epochs=2", "train.steps_per_epoch=11", "data.workers=0",
+                                  "runtime.threads=1",
                                   "output.tensorboard=false", "checkpoint.keep=0"], tmp_path)
     val = val_metrics(run_dir)
-    assert len(val) == 3 and val[-1]["samples"] == 360
-    assert val[-1]["top1"] >= 90.0, val
+    assert len(val) == 2 and val[-1]["samples"] == 360
+    assert val[-1]["top1"] >= 80.0, val
 
 
 def test_finetune_with_frozen_backbone_new_head_exact_resume_and_recorded_split(tiny_data, digits, tmp_path):
@@ -68,7 +70,7 @@ def test_finetune_with_frozen_backbone_new_head_exact_resume_and_recorded_split(
         assert torch.equal(final[key], pretrained[key]), f"frozen {key} changed"
     split = json.loads((straight / "val_split.json").read_text())["val"]
     val = val_metrics(straight)
-    assert len(split) == 360 and [m["samples"] for m in val] == [360, 360]
+    assert len(split) == 287 and [m["samples"] for m in val] == [287, 287]  # 20% of each class of 1437
 
     # 3. Exact resume from the end of epoch 1 (with the run's recorded split): the weights are not
     #    loaded again, and the result is bitwise the uninterrupted run's.
@@ -88,5 +90,5 @@ def test_finetune_with_frozen_backbone_new_head_exact_resume_and_recorded_split(
     result = launch("single", 1, ["-m", "hvdtrain", "evaluate", "--checkpoint", str(straight / "checkpoints" / "last.pt"),
                                   "runtime.threads=1"], tmp_path)
     line = json.loads([x for x in result.stdout.splitlines() if x.startswith("{")][-1])
-    assert line["samples"] == 360 and line["top1"] == pytest.approx(val[-1]["top1"], abs=1e-9)
+    assert line["samples"] == 287 and line["top1"] == pytest.approx(val[-1]["top1"], abs=1e-9)
     assert BIN.exists()
