@@ -11,8 +11,11 @@ setup(
     install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
                       "psutil"],
     extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
-                    # mlflow (not mlflow-skinny): tests/parallel/test_tracking.py starts a real `mlflow server`
-                    "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0"],
+                    # mlflow (not mlflow-skinny): tests/parallel/test_tracking.py starts a real `mlflow server`;
+                    # the tests build a digits dataset (scikit-learn) and check timm models
+                    "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0", "scikit-learn==1.9.1", "timm==1.0.31"],
+                    # timm's models (model.arch=timm/<name>)
+                    "timm": ["timm==1.0.31"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
                     "gpu": ["nvidia-ml-py==13.615.71"],
                     # experiment tracking (docs/tracking.md): tracking.wandb.*, tracking.mlflow.*

@@ -15,6 +15,7 @@ from . import dist
 from .config import Config
 from .data import DataError
 from .data.loaders import Loaders
+from .finetune import apply_freeze
 from .optim import LRSchedule, build_torch_optimizer
 from .sync_bn import convert_sync_batchnorm
 from .tasks import DataEnv, Task
@@ -78,6 +79,10 @@ def build_model(cfg: Config, task: Task, device: torch.device, dtype: torch.dtyp
     # ("Tensor is required to be contiguous"). The inputs are channels_last on the GPU
     # (DeviceNormalizer), and a convolution with a channels_last input runs channels_last.
     model = model.to(device, dtype=dtype)
+    # After the SyncBN conversion (new modules, new parameters) and before the optimizer is built.
+    frozen = apply_freeze(model, cfg.model.freeze, cfg.model.arch)
+    if frozen:
+        dist.log(f"hvdtrain: {frozen}")
     if cfg.runtime.compile:
         # Module.compile() compiles forward in place: parameter names and state-dict keys stay
         # unprefixed, so the optimizer, broadcasts and checkpoints are unchanged.

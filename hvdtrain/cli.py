@@ -79,7 +79,7 @@ def train_parser(prog: str = "hvdtrain") -> argparse.ArgumentParser:
         f"Every key, its type, default and meaning: {CONFIG_DOC}. Without --config, set data.dir (or "
         "data.synthetic=true); --config demo runs the built-in demo.")
     parser.add_argument("--config", "-c", help="YAML config file, or the name of a shipped one (debug, demo, "
-                        "imagenet_resnet50)")
+                        "imagenet_resnet50, small_images, finetune)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +49,10 @@ class ModelConfig:
     """Recommendation: L2 penalty on the embedding rows and biases a batch uses, added to the loss (works with sparse gradients, unlike optim.weight_decay)."""
     sparse_embeddings: bool = False
     """Recommendation: embeddings produce sparse gradients, sent through Horovod's sparse path (allgather) unless dist.sparse_as_dense."""
+    weights: str = ""
+    """Start from these weights (fresh runs): a torchvision weights name (IMAGENET1K_V1, DEFAULT), or a file (state dict, torchvision/timm checkpoint, hvdtrain checkpoint); empty = random init."""
+    freeze: str = ""
+    """Parameters that are not trained, as comma-separated name patterns (layer1, layer2.*, !fc); backbone = all but the classifier head. BatchNorm of frozen layers stays in eval mode."""
 
 
 @dataclass
@@ -59,7 +64,7 @@ class DataConfig:
     val_resize: int = 0
     """Validation resize before the center crop; 0 = image_size / 0.875 (256 for 224)."""
     augment: bool = True
-    """RandomResizedCrop + flip for training; false = the deterministic validation transform."""
+    """Training augmentation as set in the augment section; false = the deterministic validation transform."""
     synthetic: bool = False
     """Random tensors instead of files, for benchmarking the model and communication."""
     synthetic_samples: int = 1281167
@@ -87,6 +92,22 @@ class DataConfig:
     """Recommendation: a malformed ratings line: fail = stop, naming the file and line; skip = count and skip it."""
     ratings_cache: bool = True
     """Recommendation: cache the parsed and split ratings next to the source (or under $HVDTRAIN_CACHE); rebuilt when the source changes."""
+    val_fraction: float = 0.0
+    """0 = validate on val/; above 0, this fraction of each class of train/ is the validation set (seeded split, kept in <output.dir>/val_split.json); val/ is not needed."""
+
+
+@dataclass
+class AugmentConfig:
+    crop: Literal["random_resized", "random_pad", "center"] = "random_resized"
+    """Training crop: random_resized (ImageNet's RandomResizedCrop), random_pad (pad by augment.pad, random crop of image_size), center (the validation crop)."""
+    scale: str = "0.08,1.0"
+    """random_resized: the range of the crop's area, as a fraction of the image (MIN,MAX)."""
+    ratio: str = "3/4,4/3"
+    """random_resized: the range of the crop's aspect ratio (MIN,MAX; fractions allowed)."""
+    pad: int = 4
+    """random_pad: pixels of zero padding on each side of the image (resized to image_size) before the random crop."""
+    hflip: float = 0.5
+    """Probability of a horizontal flip; 0 = never (digits, text)."""
 
 
 @dataclass
@@ -121,6 +142,8 @@ class OptimConfig:
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
     optimizer: Literal["sgd", "adagrad", "adam"] = "sgd"
     """sgd (momentum, nesterov); adagrad; adam. With sparse gradients: sgd or adagrad, and optim.weight_decay=0."""
+    head_lr_mult: float = 1.0
+    """The classifier head's learning rate relative to the rest (fine-tuning: e.g. 10)."""
 
 
 @dataclass
@@ -251,6 +274,7 @@ class Config:
     """Seeds model initialization and the per-epoch shuffle (seed + epoch)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -365,6 +389,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
                           f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
     step_range(cfg.runtime.timeline_steps)
+    validate_finetune_and_augment(cfg)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
     if cfg.runtime.preemption_poll_seconds <= 0:
@@ -405,6 +430,33 @@ def validate_recommendation(cfg: Config) -> None:
         if cfg.optim.weight_decay > 0:
             raise ConfigError("model.sparse_embeddings=true needs optim.weight_decay=0 (torch applies no weight "
                               "decay to sparse gradients): regularize with model.embedding_l2 instead")
+
+
+def float_pair(key: str, text: str) -> tuple[float, float]:
+    """A MIN,MAX config value (e.g. ``augment.scale``) -> (min, max), positive and ordered."""
+    parts = text.replace(" ", "").split(",")
+    try:
+        low, high = (float(Fraction(part)) for part in parts)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"config key '{key}': expected MIN,MAX (e.g. 0.08,1.0), got '{text}'") from None
+    if not 0 < low <= high:
+        raise ConfigError(f"config key '{key}': expected 0 < MIN <= MAX, got '{text}'")
+    return low, high
+
+
+def validate_finetune_and_augment(cfg: Config) -> None:
+    """The keys of the augment section, data.val_fraction and optim.head_lr_mult."""
+    aug = cfg.augment
+    float_pair("augment.scale", aug.scale)
+    float_pair("augment.ratio", aug.ratio)
+    if aug.pad < 0:
+        raise ConfigError(f"config key 'augment.pad' must be >= 0, got {aug.pad}")
+    if not 0 <= aug.hflip <= 1:
+        raise ConfigError(f"config key 'augment.hflip' is a probability (0 to 1), got {aug.hflip}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError(f"config key 'data.val_fraction' must be in [0, 1), got {cfg.data.val_fraction}")
+    if cfg.optim.head_lr_mult <= 0:
+        raise ConfigError(f"config key 'optim.head_lr_mult' must be positive, got {cfg.optim.head_lr_mult}")
 
 
 def step_range(text: str) -> tuple[int, int] | None:

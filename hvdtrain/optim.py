@@ -61,22 +61,37 @@ def lr_at(step: int, sched: LRSchedule) -> float:
     raise ValueError(f"unknown schedule {sched.schedule!r}")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weights only: biases and normalization parameters (all 1-d) get none."""
-    decay, no_decay = [], []
-    for _, param in model.named_parameters():
+def param_groups(model: torch.nn.Module, weight_decay: float, head: str = "",
+                 head_lr_mult: float = 1.0) -> list[dict]:
+    """Weight decay on weights only: biases and normalization parameters (all 1-d) get none.
+    Frozen parameters (``requires_grad=False``) are left out. With ``head`` (a module name) the
+    head's parameters form two more groups whose rate is ``head_lr_mult`` times the rest's."""
+    decay, no_decay, head_decay, head_no_decay = [], [], [], []
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim <= 1 else decay).append(param)
-    return [
+        in_head = bool(head) and (name == head or name.startswith(head + "."))
+        if in_head:
+            (head_no_decay if param.ndim <= 1 else head_decay).append(param)
+        else:
+            (no_decay if param.ndim <= 1 else decay).append(param)
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    groups += [{"params": params, "weight_decay": decay_value, "lr_mult": head_lr_mult}
+               for params, decay_value in ((head_decay, weight_decay), (head_no_decay, 0.0)) if params]
+    return groups
 
 
 def build_sgd(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.SGD:
-    return torch.optim.SGD(param_groups(model, optim.weight_decay), lr=lr, momentum=optim.momentum,
-                           nesterov=optim.nesterov and optim.momentum > 0)
+    head = ""
+    if optim.head_lr_mult != 1.0:
+        from .finetune import classifier_name
+
+        head = classifier_name(model)
+    return torch.optim.SGD(param_groups(model, optim.weight_decay, head, optim.head_lr_mult), lr=lr,
+                           momentum=optim.momentum, nesterov=optim.nesterov and optim.momentum > 0)
 
 
 def build_torch_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
@@ -94,5 +109,6 @@ def build_torch_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's rate on every group, times the group's ``lr_mult`` (the head's, optim.head_lr_mult)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)

@@ -22,6 +22,7 @@ from .config import Config, dump_yaml, step_range, to_dict
 from .data.loaders import Loaders
 from .dist import log
 from .engine import StepSettings, evaluate
+from .finetune import load_weights
 from .metrics import MetricSums, MetricsWriter
 from .observe import TimelineWindow, add_rank_report
 from .optim import LRSchedule
@@ -126,6 +127,8 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
                  else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
         if found is not None:
             run.state.load_state_dict(found[1])
+        elif run.cfg.model.weights:  # a fresh run starts from model.weights; the broadcast below shares them
+            log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
     resumed = dist.broadcast_object(
         None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", [])},
         name="hvdtrain.resumed")
@@ -152,6 +155,8 @@ def resume_locally(run: Run) -> None:
     if not dist.is_primary():
         return
     found = checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log)
+    if found is None and run.cfg.model.weights:
+        log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
     if found is not None:
         run.state.load_state_dict(found[1])
         run.start_epoch = run.state.position.epoch

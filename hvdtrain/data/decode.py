@@ -177,18 +177,52 @@ def crop_resize(array: np.ndarray, box: Box, sx: float, sy: float, size: int, fl
 
 
 class TrainCrop:
-    """RandomResizedCrop(size) + RandomHorizontalFlip() from encoded bytes to a uint8 tensor."""
+    """RandomResizedCrop(size, scale, ratio) + RandomHorizontalFlip(hflip) from encoded bytes to a
+    uint8 tensor. The flip is drawn after the crop in every case (``hflip=0`` never flips), so the
+    defaults draw exactly torchvision's numbers."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
+                 hflip: float = 0.5):
+        self.size, self.scale, self.ratio, self.hflip = size, scale, ratio, hflip
 
     def __call__(self, data: bytes) -> torch.Tensor:
         width, height, turbo = image_size(data)
-        top, left, h, w = crop_params(width, height)
-        flip = bool(torch.rand(1) < 0.5)
+        top, left, h, w = crop_params(width, height, self.scale, self.ratio)
+        flip = bool(torch.rand(1) < self.hflip)
         box = (float(left), float(top), float(w), float(h))
         array, sx, sy = decode(data, box, self.size, turbo)
         return crop_resize(array, box, sx, sy, self.size, flip)
+
+
+class PadCrop:
+    """The small-image (CIFAR-style) crop: the image resized to size x size, zero-padded by
+    ``pad`` pixels on each side, a random size x size window of that, then a flip with probability
+    ``hflip``. The content is never rescaled, so a digit or a glyph keeps its size and shape."""
+
+    def __init__(self, size: int, resize: int, pad: int, hflip: float = 0.0):
+        self.base = CenterCrop(size, resize)
+        self.size, self.pad, self.hflip = size, pad, hflip
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        image = self.base(data)
+        # Draws: top, left, flip (one torch draw each), under the sample's seed (SeededSamples).
+        top = int(torch.randint(0, 2 * self.pad + 1, size=(1,)))
+        left = int(torch.randint(0, 2 * self.pad + 1, size=(1,)))
+        flip = bool(torch.rand(1) < self.hflip)
+        padded = F.pad(image, (self.pad,) * 4) if self.pad else image
+        out = padded[:, top:top + self.size, left:left + self.size]
+        return (out.flip(-1) if flip else out).contiguous()
+
+
+class FlipOnly:
+    """A deterministic transform (the validation crop) followed by a random horizontal flip."""
+
+    def __init__(self, base: "Transform", hflip: float):
+        self.base, self.hflip = base, hflip
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        image = self.base(data)
+        return image.flip(-1).contiguous() if bool(torch.rand(1) < self.hflip) else image
 
 
 class CenterCrop:

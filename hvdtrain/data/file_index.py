@@ -58,22 +58,26 @@ class FileIndex:
     val: SplitIndex
     source: str = "scan"  # "scan" or "cache", for the startup log
     seconds: float = 0.0
+    note: str = ""        # e.g. where the validation split of data.val_fraction came from
 
 
 def class_folders(split_dir: Path) -> list[str]:
     return sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
 
 
-def check_layout(root: Path) -> None:
+def check_layout(root: Path, splits: tuple[str, ...] = SPLITS) -> None:
     """One line for each mistake people make, before anything is scanned."""
     if not root.is_dir():
         raise LayoutError(f"data.dir '{root}' does not exist (set data.dir to a folder with train/ and val/)")
-    for split in SPLITS:
+    for split in splits:
         if not (root / split).is_dir():
-            raise LayoutError(f"data.dir '{root}' has no {split}/ folder (expected {root}/{split}/<class>/<image>)")
-    train_classes, val_classes = class_folders(root / "train"), class_folders(root / "val")
+            hint = " or set data.val_fraction=0.1 to validate on a part of train/" if split == "val" else ""
+            raise LayoutError(f"data.dir '{root}' has no {split}/ folder (expected {root}/{split}/<class>/<image>"
+                              f"{hint})")
+    train_classes = class_folders(root / "train")
     if not train_classes:
         raise LayoutError(f"{root}/train has no class folders (expected {root}/train/<class>/<image>)")
+    val_classes = class_folders(root / "val") if "val" in splits else train_classes
     if train_classes != val_classes:
         only_train = sorted(set(train_classes) - set(val_classes))[:5]
         only_val = sorted(set(val_classes) - set(train_classes))[:5]
@@ -102,10 +106,10 @@ def scan_split(split_dir: Path) -> SplitIndex:
     return SplitIndex(classes, paths, labels)
 
 
-def cache_key(root: Path) -> str:
+def cache_key(root: Path, splits: tuple[str, ...] = SPLITS) -> str:
     """Changes when a class folder is added, removed or renamed, or a file in one is."""
     digest = hashlib.sha256(FORMAT.encode())
-    for split in SPLITS:
+    for split in splits:
         split_dir = root / split
         digest.update(f"{split}:{split_dir.stat().st_mtime_ns}\n".encode())
         for name in class_folders(split_dir):
@@ -163,18 +167,21 @@ def write_cache(path: Path, key: str, index: FileIndex) -> None:
             pass
 
 
-def build_index(root: Path, cache_dir: Path | None) -> FileIndex:
-    """Check the layout, then read the cache (when given and current) or scan and write it."""
+def build_index(root: Path, cache_dir: Path | None, splits: tuple[str, ...] = SPLITS) -> FileIndex:
+    """Check the layout, then read the cache (when given and current) or scan and write it.
+    ``splits=("train",)``: no val/ folder (its index is empty; data.val_fraction splits train/)."""
     start = time.perf_counter()
-    check_layout(root)
+    check_layout(root, splits)
     key = path = None
     if cache_dir is not None:
-        key, path = cache_key(root), cache_file(root, cache_dir)
+        key, path = cache_key(root, splits), cache_file(root, cache_dir)
         cached = load_cached(path, key)
         if cached is not None:
             cached.root, cached.source, cached.seconds = str(root), "cache", time.perf_counter() - start
             return cached
-    index = FileIndex(str(root), scan_split(root / "train"), scan_split(root / "val"))
+    train = scan_split(root / "train")
+    val = scan_split(root / "val") if "val" in splits else SplitIndex(list(train.classes), [], [])
+    index = FileIndex(str(root), train, val)
     if path is not None and key is not None:
         write_cache(path, key, index)
     index.seconds = time.perf_counter() - start
@@ -182,7 +189,8 @@ def build_index(root: Path, cache_dir: Path | None) -> FileIndex:
 
 
 def shared_index(root: Path, cache_dir: Path | None, is_primary: bool,
-                 broadcast_object: Callable[[Any], Any] | None = None) -> FileIndex:
+                 broadcast_object: Callable[[Any], Any] | None = None,
+                 splits: tuple[str, ...] = SPLITS) -> FileIndex:
     """Rank 0 builds the index (or finds the problem); every rank gets the same result.
 
     A layout problem is broadcast too, so that every rank raises the same one-line error instead
@@ -192,7 +200,7 @@ def shared_index(root: Path, cache_dir: Path | None, is_primary: bool,
     result: tuple[str, Any] = ("error", "not built")
     if is_primary or broadcast_object is None:
         try:
-            result = ("ok", build_index(root, cache_dir))
+            result = ("ok", build_index(root, cache_dir, splits))
         except LayoutError as error:
             result = ("error", str(error))
     if broadcast_object is not None:

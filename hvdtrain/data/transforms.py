@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DataConfig
-from .decode import CenterCrop, TrainCrop, Transform
+from ..config import AugmentConfig, DataConfig, float_pair
+from .decode import CenterCrop, FlipOnly, PadCrop, TrainCrop, Transform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -20,10 +20,22 @@ def val_resize_size(data: DataConfig) -> int:
     return data.val_resize or int(round(data.image_size / 0.875))
 
 
-def fast_train_transform(data: DataConfig) -> Transform:
-    """Encoded bytes -> uint8 crop: torchvision's RandomResizedCrop + horizontal flip, decoded faster
-    (``data/decode.py``); without ``data.augment``, the evaluation crop."""
-    return TrainCrop(data.image_size) if data.augment else fast_eval_transform(data)
+def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None) -> Transform:
+    """Encoded bytes -> uint8 training crop, as ``augment`` asks (decoded fast, ``data/decode.py``):
+    random_resized = torchvision's RandomResizedCrop, random_pad = the padded random crop of small
+    images, center = the evaluation crop; then a flip with probability ``augment.hflip``. Without
+    ``data.augment``, the evaluation crop alone."""
+    augment = augment or AugmentConfig()
+    if not data.augment:
+        return fast_eval_transform(data)
+    if augment.crop == "random_resized":
+        return TrainCrop(data.image_size, float_pair("augment.scale", augment.scale),
+                         float_pair("augment.ratio", augment.ratio), augment.hflip)
+    if augment.crop == "random_pad":
+        # The whole image at the training size (no border cut away): pair it with
+        # data.val_resize=image_size so that validation sees the same framing.
+        return PadCrop(data.image_size, data.image_size, augment.pad, augment.hflip)
+    return FlipOnly(fast_eval_transform(data), augment.hflip) if augment.hflip > 0 else fast_eval_transform(data)
 
 
 def fast_eval_transform(data: DataConfig) -> Transform:

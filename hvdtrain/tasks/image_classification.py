@@ -22,6 +22,7 @@ from ..data.image_folder import CountingLoader, ImageFiles, collate
 from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
 from ..data.sampler import SeededSamples, ShardedSampler
 from ..data.synthetic import SyntheticBatches
+from ..data.val_split import shared_split
 from ..data.transforms import DeviceNormalizer, fast_eval_transform, fast_train_transform
 from ..model import build_model
 from . import DataEnv, Task
@@ -48,13 +49,21 @@ def summarize(sums: torch.Tensor) -> dict[str, float]:
             "samples": int(round(count))}
 
 
-def file_datasets(data, root: Path, is_primary: bool = True,
-                  broadcast_object=None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
-    """The train and val datasets over rank 0's (cached) file index."""
-    index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object)
-    train_set = ImageFiles(root / "train", index.train.paths, index.train.labels, fast_train_transform(data),
-                           replace_bad=True)
-    val_set = ImageFiles(root / "val", index.val.paths, index.val.labels, fast_eval_transform(data),
+def file_datasets(data, root: Path, is_primary: bool = True, broadcast_object=None, augment=None,
+                  run_dir: Path | None = None, seed: int = 0) -> tuple[ImageFiles, ImageFiles, FileIndex]:
+    """The train and val datasets over rank 0's (cached) file index; with ``data.val_fraction``,
+    val is the part of train/ recorded in ``run_dir`` (data/val_split.py)."""
+    splits = ("train",) if data.val_fraction > 0 else ("train", "val")
+    index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object, splits)
+    val_dir = root / "val"
+    if data.val_fraction > 0:
+        index, note = shared_split(index, data.val_fraction, seed, Path(run_dir or "."), is_primary,
+                                   broadcast_object)
+        index.note = note
+        val_dir = root / "train"
+    train_set = ImageFiles(root / "train", index.train.paths, index.train.labels,
+                           fast_train_transform(data, augment), replace_bad=True)
+    val_set = ImageFiles(val_dir, index.val.paths, index.val.labels, fast_eval_transform(data),
                          replace_bad=False)
     return train_set, val_set, index
 
@@ -95,7 +104,8 @@ class ImageClassification(Task):
             return Loaders(train, val, None, per_rank * world_size, 0)
 
         root = dataset_root(cfg, env)
-        train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object)
+        train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object, cfg.augment,
+                                                       Path(cfg.output.dir), cfg.seed)
         self.num_classes = cfg.model.num_classes or len(self.index.train.classes)
         train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True)
         val_sampler = ShardedSampler(len(val_set), world_size, rank, shuffle=False, pad=False)
@@ -118,7 +128,8 @@ class ImageClassification(Task):
         index = self.index
         if index is None:
             return ""
-        return f"file index of {index.root} from {index.source} in {index.seconds:.2f}s"
+        return (f"file index of {index.root} from {index.source} in {index.seconds:.2f}s"
+                + (f"; {index.note}" if index.note else ""))
 
     def build_model(self) -> torch.nn.Module:
         return build_model(self.cfg.model, self.num_classes)
