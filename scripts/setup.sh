@@ -98,8 +98,6 @@ runtime_packages=(openmpi-bin openssh-client openssh-server procps iproute2 pyth
 if [[ -n ${HVDTRAIN_RUNTIME_ONLY:-} ]]; then
     [[ -x $venv/bin/python ]] || die "HVDTRAIN_RUNTIME_ONLY is set but there is no venv at $venv"
     apt_install "${runtime_packages[@]}"
-    # An image layer keeps neither the package lists nor the downloaded .debs.
-    apt-get clean && rm -rf /var/lib/apt/lists/*
     out=$(check_build) || { echo "$out" >&2; die "horovodrun --check-build does not show PyTorch, MPI and Gloo"; }
     echo "$out" | sed 's/^/[setup]   /'
     log "done (run-time packages only): $venv"

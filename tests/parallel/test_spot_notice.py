@@ -49,7 +49,10 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
             job.kill()
         requests = list(server.requests)
     assert elapsed < 30, f"took {elapsed:.1f}s to stop after the notice"
-    assert job.returncode == 75, output[-2000:]
+    # Every rank exits 75 (horovodrun itself then reports a failure: it passes no code through).
+    assert job.returncode != 0
+    for rank in (0, 1):
+        assert f"Process {rank} exit with status code 75." in output, output[-2000:]
     assert output.count(f"hvdtrain: watching for aws preemption notices at {server.url} every 0.2 s") == 1
     assert ("stopped by an AWS spot interruption notice (terminate at 2026-11-23T04:12:00Z)" in output
             or "stopped by a preemption notice (aws) seen by another rank" in output), output[-2000:]
