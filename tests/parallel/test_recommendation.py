@@ -46,6 +46,7 @@ def ncf_args(ratings_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def probe_run(kind: str, np_: int, tmp: Path, args: list[str]) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
     launch(kind, np_, [str(PROBE), str(tmp / "probe")] + args, tmp)
     return [torch.load(tmp / "probe" / f"rank{r}.pt", weights_only=False) for r in range(np_)]
 
