@@ -46,6 +46,7 @@ def ncf_args(ratings_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def probe_run(kind: str, np_: int, tmp: Path, args: list[str]) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
     launch(kind, np_, [str(PROBE), str(tmp / "probe")] + args, tmp)
     return [torch.load(tmp / "probe" / f"rank{r}.pt", weights_only=False) for r in range(np_)]
 
@@ -163,8 +164,10 @@ def test_validation_is_exact_on_three_ranks(ratings_dir, tmp_path):
     for metric in ("hr10", "baseline_hr10"):  # hit counts: exact
         assert round(val[metric] * USERS) == round(single[metric] * USERS)
         assert val[metric] == single[metric]
-    for metric in ("ndcg10", "baseline_ndcg10", "loss"):
-        assert val[metric] == pytest.approx(single[metric], rel=1e-9)
+    for metric in ("ndcg10", "baseline_ndcg10"):  # float64 sums in another order
+        assert val[metric] == pytest.approx(single[metric], rel=1e-12)
+    # The loss is a float32 mean per batch (other batches on 3 ranks), summed in float64.
+    assert val["loss"] == pytest.approx(single["loss"], rel=1e-6)
 
 
 def test_mf_learns_well_below_the_global_mean_on_the_built_in_data(tmp_path):
