@@ -204,6 +204,8 @@ class TrackingConfig:
     """Send the step-level train loss, learning rate and images/s every this many optimizer steps; 0 = epoch records only."""
     log_checkpoints: Literal["none", "best", "last"] = "none"
     """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
+    flush_seconds: float = 60.0
+    """At the end of the run or on a stop signal, wait at most this long for queued values to be sent and the tracker runs to end."""
 
 
 @dataclass
@@ -329,8 +331,9 @@ def validate(cfg: Config) -> None:
     step_range(cfg.runtime.timeline_steps)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
-    if cfg.tracking.every_steps < 0:
-        raise ConfigError(f"config key 'tracking.every_steps' must be >= 0, got {cfg.tracking.every_steps}")
+    if cfg.tracking.every_steps < 0 or cfg.tracking.flush_seconds < 0:
+        key = "every_steps" if cfg.tracking.every_steps < 0 else "flush_seconds"
+        raise ConfigError(f"config key 'tracking.{key}' must be >= 0, got {getattr(cfg.tracking, key)}")
     if cfg.tracking.log_checkpoints != "none" and not (cfg.tracking.wandb.enabled or cfg.tracking.mlflow.enabled):
         raise ConfigError(f"config key 'tracking.log_checkpoints={cfg.tracking.log_checkpoints}' needs a tracker "
                           "(tracking.wandb.enabled=true or tracking.mlflow.enabled=true)")

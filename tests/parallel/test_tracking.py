@@ -146,7 +146,8 @@ def test_one_tracked_run_across_sigterm_and_resume_horovodrun(mlflow_uri, tiny_d
         tiny_data, run_dir, "tracking.wandb.enabled=true", "tracking.wandb.mode=offline",
         "tracking.wandb.project=hvdtrain-test", "tracking.mlflow.enabled=true",
         f"tracking.mlflow.tracking_uri={mlflow_uri}", "tracking.mlflow.experiment=horovodrun",
-        "tracking.every_steps=1", "tracking.log_checkpoints=best", "checkpoint.keep=0")
+        "tracking.every_steps=1", "tracking.log_checkpoints=best", "checkpoint.keep=0",
+        "tracking.flush_seconds=300")  # W&B's finish can take minutes on a loaded 2-core machine
     job = subprocess.Popen([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"] + program,
                            cwd=tmp_path, env=job_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
