@@ -27,13 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, workdir: Path) -> tuple[float, float]:
+def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, workdir: Path,
+             every: int = 1) -> tuple[float, float]:
     run_dir = Path(tempfile.mkdtemp(prefix="tracked-" if tracked else "plain-", dir=workdir))
     args = ["-m", "hvdtrain", "--config", "debug", "data.synthetic=true", f"data.synthetic_samples={steps * batch}",
             f"data.image_size={image_size}", f"train.batch_size={batch}", f"train.steps_per_epoch={steps}",
             "train.epochs=2", "model.num_classes=10", f"output.dir={run_dir}", "checkpoint.keep=0"]
     if tracked:
-        args += ["tracking.every_steps=1", "tracking.wandb.enabled=true", "tracking.wandb.mode=offline",
+        args += [f"tracking.every_steps={every}", "tracking.wandb.enabled=true", "tracking.wandb.mode=offline",
                  "tracking.mlflow.enabled=true", f"tracking.mlflow.tracking_uri={uri}",
                  "tracking.mlflow.experiment=tracking-cost"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_DATA_DIR": str(run_dir / "wd")}
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--every", type=int, default=1, help="tracking.every_steps (1: the worst case)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="tracking-cost-") as workdir:
@@ -68,7 +70,7 @@ def main() -> None:
             result = {}
             for tracked in order:
                 result[tracked] = run_once(tracked, args.steps, args.image_size, args.batch, args.mlflow_uri,
-                                           Path(workdir))
+                                           Path(workdir), args.every)
             (off, _), (on, hook) = result[False], result[True]
             rows.append((off, on, hook))
             print(f"round {round_ + 1}: step off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, ratio {on / off:.3f}, "

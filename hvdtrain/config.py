@@ -264,6 +264,8 @@ class TrackingConfig:
     """Send the step-level train loss, learning rate and images/s every this many optimizer steps; 0 = epoch records only."""
     log_checkpoints: Literal["none", "best", "last"] = "none"
     """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
+    flush_seconds: float = 60.0
+    """At the end of the run or on a stop signal, wait at most this long for queued values to be sent and the tracker runs to end."""
 
 
 @dataclass
@@ -400,8 +402,9 @@ def validate(cfg: Config) -> None:
     if cfg.runtime.preemption_notice_url and not cfg.runtime.preemption_notice_url.startswith(("http://", "https://")):
         raise ConfigError(f"config key 'runtime.preemption_notice_url': expected an http:// or https:// URL, "
                           f"got '{cfg.runtime.preemption_notice_url}'")
-    if cfg.tracking.every_steps < 0:
-        raise ConfigError(f"config key 'tracking.every_steps' must be >= 0, got {cfg.tracking.every_steps}")
+    if cfg.tracking.every_steps < 0 or cfg.tracking.flush_seconds < 0:
+        key = "every_steps" if cfg.tracking.every_steps < 0 else "flush_seconds"
+        raise ConfigError(f"config key 'tracking.{key}' must be >= 0, got {getattr(cfg.tracking, key)}")
     if cfg.tracking.log_checkpoints != "none" and not (cfg.tracking.wandb.enabled or cfg.tracking.mlflow.enabled):
         raise ConfigError(f"config key 'tracking.log_checkpoints={cfg.tracking.log_checkpoints}' needs a tracker "
                           "(tracking.wandb.enabled=true or tracking.mlflow.enabled=true)")

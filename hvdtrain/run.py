@@ -221,9 +221,13 @@ class Outputs:
             self.tracker.after_step(run.state.position.step, sums, run.task.summarize,
                                     run.state.optimizer.param_groups[0]["lr"], run.global_batch)
 
-    def close(self) -> None:
+    def close_tracker(self, status: str) -> None:
         if self.tracker is not None:
-            self.tracker.close(tracking.close_status())  # before the writers: it may log
+            self.tracker.close(status)
+            self.tracker = None
+
+    def close(self) -> None:
+        self.close_tracker(tracking.close_status())  # before the writers: it may log
         if self.writer is not None:
             self.writer.close()
 
@@ -302,6 +306,11 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
     log(f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
         f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
         f"Resume with the same command (checkpoint.resume=auto).")
+    if "tracking" in run.state.extra:
+        # Rank 0 sends what its tracker holds; the others wait: a launcher ends every rank as soon
+        # as one exits with an error code, rank 0 in the middle of its flush.
+        outputs.close_tracker("preempted")
+        dist.barrier()
     raise Preempted()
 
 

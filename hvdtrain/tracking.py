@@ -44,7 +44,6 @@ from typing import Any, Callable
 from .config import Config, ConfigError, to_dict
 
 QUEUE_SIZE = 1000
-FLUSH_SECONDS = 30.0          # at the end of the run (or on a stop signal): the most we wait for the queue
 ID_WAIT_SECONDS = 10.0        # a checkpoint written while a run is still being created waits this long for its id
 # MLflow's HTTP client retries for minutes by default; a tracker must give up quickly (users may override).
 MLFLOW_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -313,11 +312,13 @@ class Tracker:
             self.dropped += 1
 
     def start_epoch(self, step: int, sums: Any) -> None:
-        self.mark = (step, time.perf_counter(), sums.local().clone())
+        self.mark = (step, time.perf_counter(), sums.local())
 
     def after_step(self, step: int, sums: Any, summarize: Callable, lr: float, global_batch: int) -> None:
         """Every ``every_steps`` steps: rank 0's mean of the task's metrics since the last point, the
-        learning rate of the last step and the images/s of all ranks."""
+        learning rate of the last step and the images/s of all ranks. Only references are taken
+        here (``MetricSums`` replaces its tensor at every add, never changes it in place); the
+        arithmetic happens on the tracker's thread."""
         if not self.every or step % self.every or self.mark is None:
             return
         if step <= self.last_point:  # an elastic rollback trains these steps again: sent already
@@ -327,12 +328,9 @@ class Tracker:
         began = time.perf_counter()
         local = sums.local()
         mark_step, mark_time, mark_sums = self.mark
-        values = {f"train_step/{key}": value for key, value in summarize(local - mark_sums).items()
-                  if key != "samples" and isinstance(value, (int, float)) and math.isfinite(value)}
-        values["train_step/lr"] = lr
-        values["train_step/samples_per_sec"] = (step - mark_step) * global_batch / max(began - mark_time, 1e-9)
-        self.put(("log", step, time.time(), values))
-        self.mark = (step, began, local.clone())
+        self.put(("point", step, time.time(), local, mark_sums, summarize, lr,
+                  (step - mark_step) * global_batch / max(began - mark_time, 1e-9)))
+        self.mark = (step, began, local)
         self.hook_seconds += time.perf_counter() - began
         self.hook_calls += 1
 
@@ -357,10 +355,11 @@ class Tracker:
         self.put(("artifact", staged, kind))
 
     def close(self, status: str) -> None:
-        """Send what is queued and end the runs, waiting at most ``FLUSH_SECONDS`` in all."""
-        deadline = time.monotonic() + FLUSH_SECONDS
+        """Send what is queued and end the runs, waiting at most ``tracking.flush_seconds`` in all."""
+        flush = self.cfg.tracking.flush_seconds
+        deadline = time.monotonic() + flush
         try:
-            self.queue.put(("finish", status), timeout=FLUSH_SECONDS)
+            self.queue.put(("finish", status), timeout=flush)
         except queue.Full:
             self.dropped += 1
         self.thread.join(max(0.0, deadline - time.monotonic()))
@@ -369,7 +368,7 @@ class Tracker:
         if self.dropped:
             problems.append(f"{self.dropped} values dropped (queue full)")
         if lost:
-            problems.append(f"{lost} entries not sent within {FLUSH_SECONDS:g} s")
+            problems.append(f"{lost} entries not sent within {flush:g} s (tracking.flush_seconds)")
         if self.skipped:
             problems.append(f"{self.skipped} step-level points not sent again (sent before an interruption)")
         cost = f"{1e6 * self.hook_seconds / self.hook_calls:.0f} us per point" if self.hook_calls else "none"
@@ -410,16 +409,16 @@ class Tracker:
                 self.send(live, lambda backend: backend.artifact(path, kind))
                 shutil.rmtree(path.parent, ignore_errors=True)
                 continue
-            batch = [item[1:]]
+            batch = [entry(item)]
             while len(batch) < 100:  # send what has piled up in one request
                 try:
                     following = self.queue.get_nowait()
                 except queue.Empty:
                     break
-                if following[0] != "log":
+                if following[0] not in ("log", "point"):
                     held = following
                     break
-                batch.append(following[1:])
+                batch.append(entry(following))
             # After a crash, the steps between the last checkpoint and the crash are trained again
             # (identically): the tracker keeps the values it got the first time.
             kept = [entry for entry in batch if not (entry[0] <= skip_through and STEP_KEY in entry[2])]
@@ -443,6 +442,17 @@ class Tracker:
                 if self.failed[backend.name] == 1:  # once; close() reports the count
                     self.log(f"hvdtrain: warning: tracking: sending to {backend.name} failed, training goes on: "
                              f"{first_line(error)}")
+
+
+def entry(item: tuple) -> tuple[int, float, dict[str, float]]:
+    """A queued ``log`` or step-level ``point`` as (step, unix time, values)."""
+    if item[0] == "log":
+        return item[1], item[2], item[3]
+    _, step, stamp, local, mark_sums, summarize, lr, samples_per_sec = item
+    values = {f"train_step/{key}": value for key, value in summarize(local - mark_sums).items()
+              if key != "samples" and isinstance(value, (int, float)) and math.isfinite(value)}
+    values.update({"train_step/lr": lr, "train_step/samples_per_sec": samples_per_sec})
+    return step, stamp, values
 
 
 def close_status() -> str:
