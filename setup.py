@@ -10,8 +10,10 @@ setup(
     # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
     install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
                       "psutil"],
-    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"], "test": ["pytest==9.2.0"],
+    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"], "test": ["pytest==9.2.0", "ray[default]==2.60.0"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
-                    "gpu": ["nvidia-ml-py==13.615.71"]},
+                    "gpu": ["nvidia-ml-py==13.615.71"],
+                    # hvdtrain ray (docs/ray.md); [default] brings the dashboard's state API and job server
+                    "ray": ["ray[default]==2.60.0"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
 )

@@ -92,3 +92,23 @@ def test_a_bad_key_stops_before_the_cluster_is_asked():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "unknown config key 'train.epoch'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_aws_cluster_config_validates_against_rays_own_schema():
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e .[ray]): its schema comes with it")
+    import json
+    from pathlib import Path
+
+    import jsonschema
+    import ray
+    import yaml
+
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    config = yaml.safe_load((REPO / "hostfiles" / "ray" / "aws-gpu.yaml").read_text())
+    jsonschema.validate(config, schema)
+    workers = config["available_node_types"]["gpu_worker"]
+    assert workers["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"}
+    assert config["available_node_types"]["head"]["resources"] == {"CPU": 0}
+    bad = dict(config, max_workers="two")
+    with pytest.raises(jsonschema.ValidationError):  # the schema does check
+        jsonschema.validate(bad, schema)
