@@ -423,19 +423,23 @@ class Job:
                 ray.get([self.actors[s.actor].send.remote(signal.SIGTERM) for s in by_rank if s.rank not in codes])
             ready, _ = ray.wait([ref for ref, _ in asked.values()], num_returns=len(asked), timeout=POLL_SECONDS)
             now = time.monotonic()
+            # (weight, rank, slot, why, status): when several ranks end in one poll, the cause is named,
+            # not the peer that failed because of it (a killed rank's partner fails its next collective).
+            failures: list[tuple[int, int, Slot, str, int]] = []
             for slot in by_rank:
                 if slot.rank not in asked:
                     continue
                 ref, since = asked[slot.rank]
                 if ref not in ready:
                     if now - since > ANSWER_SECONDS:
-                        return self.fail(slot, f"its Ray actor has not answered for {ANSWER_SECONDS:.0f} s "
-                                               "(node lost or hung)")
+                        failures.append((1, slot.rank, slot, f"its Ray actor has not answered for "
+                                                             f"{ANSWER_SECONDS:.0f} s (node lost or hung)", 1))
                     continue
                 try:
                     code, lines = ray.get(ref)
                 except RayActorError as error:
-                    return self.fail(slot, f"its Ray actor died ({str(error).splitlines()[0][:200]})")
+                    failures.append((0, slot.rank, slot, f"its Ray actor died ({str(error).splitlines()[0][:200]})", 1))
+                    continue
                 self.show(slot, lines)
                 if code is None:
                     asked[slot.rank] = (self.actors[slot.actor].poll.remote(), now)
@@ -443,8 +447,12 @@ class Job:
                 del asked[slot.rank]
                 codes[slot.rank] = code
                 if code not in (0, EXIT_PREEMPTED):
-                    return self.fail(slot, f"it exited with {describe_exit(code)}", code)
+                    failures.append((0 if code < 0 else 2, slot.rank, slot, f"it exited with {describe_exit(code)}",
+                                     code))
                 first_end = first_end or now
+            if failures:
+                _, _, slot, why, code = min(failures, key=lambda failure: failure[:2])
+                return self.fail(slot, why, code)
             if not asked:
                 return EXIT_PREEMPTED if EXIT_PREEMPTED in codes.values() else 0
             if first_end is not None and now - first_end > FOLLOW_SECONDS:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -26,10 +28,6 @@ DASHBOARD_PORT = 26104
 RENDEZVOUS_PORT = 26400
 ADDRESS = f"{HEAD_IP}:{GCS_PORT}"
 START_SECONDS = 150  # `ray start` takes 10-30 s on an idle 2-core machine, minutes under load
-# The raylet gives its dashboard agent a fixed 15 s to start (Ray 2.60) and aborts the node
-# otherwise; on a machine loaded by other work the agent's imports alone take longer. As root, the
-# node start runs at a higher priority, and renice() puts every process back once the node is up.
-NICE = ["nice", "-n", "-20"] if os.geteuid() == 0 else []
 
 
 def node_ports(base: int, workers: int) -> list[str]:
@@ -63,22 +61,24 @@ class RayCluster:
             "RAY_agent_register_timeout_ms": "180000", "RAY_raylet_start_wait_time_s": "180",
         })
 
-    def ray_start(self, name: str, args: list[str], attempts: int = 3) -> None:
-        """``ray start`` for one node, retried: on a loaded machine the raylet may give up waiting for
-        its dashboard agent (a fixed 15 s in Ray 2.60) and the node start fails."""
+    def ray_start(self, name: str, args: list[str], base: int, attempts: int = 2) -> None:
+        """``ray start`` for one node (its ports from ``base``), retried once."""
         for attempt in range(attempts):
             temp = self.root / f"{name}-{attempt}"
+            node_id = secrets.token_hex(28)
             common = ["--num-cpus", "1", "--resources", json.dumps({"hvd_slot": 1}), "--object-store-memory",
                       "100000000", "--temp-dir", str(temp), "--disable-usage-stats"]
             log_path = self.root / f"{name}-{attempt}.log"
+            announcer = threading.Thread(target=announce_agent_ports, args=(temp, node_id, base), daemon=True)
+            announcer.start()
             with open(log_path, "w") as log:
                 # The daemons `ray start` leaves behind stay in this new process group: the teardown's handle.
-                start = subprocess.Popen([*NICE, str(BIN / "ray"), "start", *args, *common], cwd=self.root,
-                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                start = subprocess.Popen([str(BIN / "ray"), "start", *args, *common], cwd=self.root,
+                                         env={**self.env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             self.groups.append(start.pid)
             try:
                 if start.wait(timeout=START_SECONDS) == 0:
-                    renice(start.pid)
                     return
             except subprocess.TimeoutExpired:
                 pass
@@ -89,9 +89,9 @@ class RayCluster:
         self.ray_start("head", ["--head", f"--node-ip-address={HEAD_IP}", "--port", str(GCS_PORT),
                                 "--ray-client-server-port", str(GCS_PORT + 3), "--include-dashboard=true",
                                 "--dashboard-host", HEAD_IP, "--dashboard-port", str(DASHBOARD_PORT),
-                                *node_ports(GCS_PORT, 26200)])
+                                *node_ports(GCS_PORT, 26200)], GCS_PORT)
         self.ray_start("worker", ["--address", ADDRESS, f"--node-ip-address={WORKER_IP}",
-                                  *node_ports(GCS_PORT + 10, 26300)])
+                                  *node_ports(GCS_PORT + 10, 26300)], GCS_PORT + 10)
         self.wait_for_nodes(2)
 
     def wait_for_nodes(self, count: int) -> None:
@@ -112,14 +112,27 @@ class RayCluster:
         kill_groups(self.groups)
 
 
-def renice(group: int) -> None:
-    """Back to normal priority for the node's daemons, and so for the Ray workers they start later."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and os.getpgid(int(entry.name)) == group:
-                os.setpriority(os.PRIO_PROCESS, int(entry.name), 0)
-        except (OSError, ProcessLookupError):
-            pass
+def announce_agent_ports(temp: Path, node_id: str, base: int) -> None:
+    """Write the agent port files the raylet waits for, as soon as the node's session folder exists.
+
+    The raylet gives its dashboard agent a fixed 15 s (Ray 2.60) to write its listen port into the
+    session folder and aborts the node otherwise; on a machine loaded by other work the agent's
+    imports alone take longer. The ports are fixed here (node_ports), so the files can be written
+    for it with the same numbers the agent writes itself later; the node id is fixed for that
+    (RAY_OVERRIDE_NODE_ID_FOR_TESTING)."""
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        sessions = [p for p in temp.glob("session_2*") if p.is_dir()] if temp.is_dir() else []
+        if sessions:
+            for name, port in (("dashboard_agent_listen_port", base + 5), ("metrics_agent_port", base + 6),
+                               ("runtime_env_agent_port", base + 7)):
+                path = sessions[0] / f"{name}_{node_id}"
+                if not path.exists():
+                    partial = path.with_suffix(".announce")
+                    partial.write_text(str(port))
+                    partial.rename(path)
+            return
+        time.sleep(0.05)
 
 
 def kill_groups(groups: list[int]) -> None:
