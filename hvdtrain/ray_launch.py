@@ -335,10 +335,18 @@ class Job:
     def run(self) -> int:
         import ray
 
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             ray.init(address=self.options.address, log_to_driver=False, logging_level="WARNING",
                      configure_logging=True)
+        except ConnectionError as error:
+            raise RayLaunchError(f"no Ray cluster at --address {self.options.address} ({str(error).splitlines()[0]}): "
+                                 "start one (ray start --head, ray up) or name it with --address") from None
+        # After ray.init: Ray's core worker installs a handler that aborts the driver on SIGTERM
+        # (exit -6, nothing released); this one takes its place for the job and hands it back after.
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
+        try:
             self.place()
             self.start_ranks()
             return self.supervise()
@@ -347,8 +355,8 @@ class Job:
             return 130
         finally:
             self.release()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for sig, handler in previous.items():  # None: a handler not set from Python (Ray's)
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def place(self) -> None:
         import ray
