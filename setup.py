@@ -11,14 +11,18 @@ setup(
     install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
                       "psutil"],
     extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
-                    # mlflow (not mlflow-skinny): tests/parallel/test_tracking.py starts a real `mlflow server`;
-                    # the tests build a digits dataset (scikit-learn) and check timm models
-                    "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0", "scikit-learn==1.9.1", "timm==1.0.31"],
-                    # timm's models (model.arch=timm/<name>)
-                    "timm": ["timm==1.0.31"],
+                    # What only the tests need: the integrations they exercise for real (a real
+                    # `mlflow server`, W&B offline, a two-node Ray cluster), the digits dataset
+                    # (scikit-learn) and timm's models.
+                    "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0", "ray[default]==2.60.0",
+                             "scikit-learn==1.9.1", "timm==1.0.31"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
                     "gpu": ["nvidia-ml-py==13.615.71"],
+                    # timm's models (model.arch=timm/<name>)
+                    "timm": ["timm==1.0.31"],
                     # experiment tracking (docs/tracking.md): tracking.wandb.*, tracking.mlflow.*
-                    "wandb": ["wandb==0.31.0"], "mlflow": ["mlflow==3.17.2"]},
+                    "wandb": ["wandb==0.31.0"], "mlflow": ["mlflow==3.17.2"],
+                    # hvdtrain ray (docs/ray.md); [default] brings the dashboard's state API and job server
+                    "ray": ["ray[default]==2.60.0"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
 )

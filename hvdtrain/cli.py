@@ -167,6 +167,12 @@ def cmd_bench(argv: list[str]) -> int:
     return run(argv)
 
 
+def cmd_ray(argv: list[str]) -> int:
+    from .ray_launch import main as ray_main  # imports Ray only once the arguments are checked
+
+    return ray_main(argv)
+
+
 def cmd_report(argv: list[str]) -> int:
     from .tools.report import cmd_report as run
 
@@ -175,7 +181,7 @@ def cmd_report(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "evaluate": cmd_evaluate, "bench": cmd_bench, "bench-data": cmd_bench_data,
-    "report": cmd_report, "doctor": cmd_doctor,
+    "report": cmd_report, "doctor": cmd_doctor, "ray": cmd_ray,
 }
 
 
@@ -186,6 +192,7 @@ SUMMARIES: dict[str, str] = {
     "bench-data": "images per second of the training input pipeline alone",
     "report": "PNG plots and a text summary of a run's metrics.jsonl",
     "doctor": "check that hosts can train together (ssh, versions, Horovod build) and time allreduce",
+    "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
 }
 HELP_WORDS = ("-h", "--help", "help")
 
