@@ -60,6 +60,17 @@ class DataConfig:
     """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
     index_cache: bool = True
     """Cache the file list of data.dir under $HVDTRAIN_CACHE (default ~/.cache/hvdtrain); false = scan at every start."""
+    # --- progressive resizing and test resolution (docs/recipes.md) ---
+    min_res: int = 0
+    """Progressive resizing: training resolution up to epoch data.start_ramp (FFCV's schedule); 0 = off (data.image_size throughout)."""
+    max_res: int = 0
+    """Progressive resizing: training resolution from epoch data.end_ramp on; rises linearly in between, rounded to a multiple of 32."""
+    start_ramp: int = 0
+    """Progressive resizing: last epoch (0-based) at data.min_res."""
+    end_ramp: int = 0
+    """Progressive resizing: first epoch (0-based) at data.max_res."""
+    val_image_size: int = 0
+    """Validation center-crop size; 0 = data.image_size (e.g. 224 for a 160-176 px training resolution: FixRes)."""
 
 
 @dataclass
@@ -72,6 +83,8 @@ class TrainConfig:
     """Optimizer steps per epoch; 0 = the whole epoch (a cap for quick runs)."""
     backward_passes_per_step: int = 1
     """Batches accumulated locally before each allreduce and optimizer step."""
+    target_top1: float = 0.0
+    """Stop when the validation metric that picks best.pt (top-1 %, see checkpoint.best_metric) reaches this, and record the time to accuracy; 0 = off."""
 
 
 @dataclass
@@ -86,12 +99,27 @@ class OptimConfig:
     """Applied to weights only: biases and normalization parameters get none."""
     warmup_epochs: float = 5.0
     """Linear warm-up from base_lr to the scaled learning rate over this many epochs."""
-    schedule: Literal["step", "cosine"] = "step"
-    """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to zero."""
+    schedule: Literal["step", "cosine", "poly"] = "step"
+    """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to optim.end_lr; poly: (1 - progress)^optim.poly_power to optim.end_lr (MLPerf)."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (validation loss is plain cross-entropy)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
+    # --- optimizers for large batches (hvdtrain/optimizers.py, docs/recipes.md) ---
+    name: Literal["sgd", "lars", "lamb", "adamw"] = "sgd"
+    """sgd; lars (MLPerf ResNet-50: layer-wise trust ratio, BN and biases excluded); lamb (timm); adamw."""
+    end_lr: float = 0.0
+    """Learning rate reached at the last step by the cosine and poly schedules (absolute, not scaled)."""
+    poly_power: float = 2.0
+    """Exponent of the poly schedule (MLPerf: 2; 1 = linear decay, FFCV's schedule)."""
+    lars_eta: float = 0.001
+    """LARS trust coefficient eta: local rate = eta * ||w|| / (||g|| + weight_decay * ||w||)."""
+    beta1: float = 0.9
+    """LAMB/AdamW first-moment decay."""
+    beta2: float = 0.999
+    """LAMB/AdamW second-moment decay."""
+    eps: float = 1e-6
+    """LAMB/AdamW denominator epsilon."""
 
 
 @dataclass
@@ -156,6 +184,8 @@ class CheckpointConfig:
     """Also checkpoint every this many optimizer steps, mid-epoch; 0 = at the end of each epoch only."""
     keep: int = 3
     """Numbered checkpoints (step-N.pt) kept besides last.pt and best.pt; 0 = last.pt and best.pt only."""
+    best_metric: str = ""
+    """Validation metric that picks best.pt, e.g. top1, ema_top1, loss (lower is better for *loss); empty = the task's (top1)."""
 
 
 @dataclass
@@ -166,6 +196,52 @@ class ElasticConfig:
     """Commit the in-memory state every this many steps; a failure rolls back to the last commit."""
     sample_log: bool = False
     """Log every rank's sample indices of every committed step to <output.dir>/samples.jsonl, to audit a run."""
+
+
+@dataclass
+class EmaConfig:
+    decay: float = 0.0
+    """Model EMA: ema = decay * ema + (1 - decay) * weights after the optimizer step; 0 = off (e.g. 0.9998)."""
+    every_steps: int = 1
+    """Update the EMA every this many optimizer steps."""
+    warmup: bool = True
+    """Warm the decay up as timm's ModelEmaV3: min(decay, 1 - (1 + step / ema.warmup_gamma)^-ema.warmup_power)."""
+    warmup_gamma: float = 1.0
+    """timm's warm-up gamma."""
+    warmup_power: float = 0.6667
+    """timm's warm-up power (2/3; 3/4 for short runs)."""
+
+
+@dataclass
+class AugmentConfig:
+    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment"] = "none"
+    """Augmentation policy on the uint8 training crops (torchvision transforms.v2), seeded per sample."""
+    magnitude: int = 9
+    """RandAugment magnitude (0 .. augment.magnitude_bins - 1)."""
+    num_ops: int = 2
+    """RandAugment: operations per image."""
+    magnitude_bins: int = 31
+    """RandAugment / TrivialAugment: number of magnitude levels."""
+    autoaugment_policy: Literal["imagenet", "cifar10", "svhn"] = "imagenet"
+    """AutoAugment's learned policy."""
+    random_erase: float = 0.0
+    """RandomErasing probability per training image (erased to the mean pixel); 0 = off."""
+    mixup_alpha: float = 0.0
+    """Mixup: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
+    cutmix_alpha: float = 0.0
+    """CutMix: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
+    mix_prob: float = 1.0
+    """Probability that a batch is mixed at all (mixup or cutmix on)."""
+    switch_prob: float = 0.5
+    """With both mixup and cutmix on: probability of cutmix for a mixed batch."""
+
+
+@dataclass
+class EvalConfig:
+    flip: bool = False
+    """Test-time augmentation: average the logits of each validation image and its mirror image."""
+    ema: bool = False
+    """hvdtrain evaluate: score the checkpoint's EMA weights instead of the raw ones."""
 
 
 @dataclass
@@ -184,6 +260,9 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") -> None:
@@ -288,8 +367,52 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
                           f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
     step_range(cfg.runtime.timeline_steps)
+    validate_recipes(cfg)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
+
+
+def validate_recipes(cfg: Config) -> None:
+    """The keys of docs/recipes.md: EMA, augmentation, progressive resizing, optimizers, target."""
+    optim, augment, data, ema = cfg.optim, cfg.augment, cfg.data, cfg.ema
+    if not 0 <= optim.momentum < 1:
+        raise ConfigError(f"config key 'optim.momentum' must be in [0, 1) for optim.name={optim.name}, "
+                          f"got {optim.momentum}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"config key 'optim.{key}' must be in [0, 1), got {getattr(optim, key)}")
+    for key, value in (("optim.end_lr", optim.end_lr), ("optim.lars_eta", optim.lars_eta),
+                       ("optim.eps", optim.eps), ("augment.mixup_alpha", augment.mixup_alpha),
+                       ("augment.cutmix_alpha", augment.cutmix_alpha), ("train.target_top1", cfg.train.target_top1),
+                       ("data.min_res", data.min_res), ("data.max_res", data.max_res),
+                       ("data.start_ramp", data.start_ramp), ("data.end_ramp", data.end_ramp),
+                       ("data.val_image_size", data.val_image_size)):
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    if optim.poly_power <= 0:
+        raise ConfigError(f"config key 'optim.poly_power' must be positive, got {optim.poly_power}")
+    for key in ("random_erase", "mix_prob", "switch_prob"):
+        if not 0 <= getattr(augment, key) <= 1:
+            raise ConfigError(f"config key 'augment.{key}' is a probability in [0, 1], got {getattr(augment, key)}")
+    if not 0 <= augment.magnitude < augment.magnitude_bins or augment.num_ops < 1:
+        raise ConfigError(f"config keys 'augment.magnitude' ({augment.magnitude}) must be in [0, augment.magnitude_bins "
+                          f"({augment.magnitude_bins})) and augment.num_ops ({augment.num_ops}) >= 1")
+    if not 0 <= ema.decay < 1:
+        raise ConfigError(f"config key 'ema.decay' must be in [0, 1) (0 = off; e.g. 0.9998), got {ema.decay}")
+    if ema.every_steps < 1 or ema.warmup_gamma <= 0 or ema.warmup_power <= 0:
+        raise ConfigError("config keys 'ema.every_steps', 'ema.warmup_gamma' and 'ema.warmup_power' must be positive")
+    if bool(data.min_res) != bool(data.max_res):
+        raise ConfigError("progressive resizing needs both data.min_res and data.max_res (or neither)")
+    if data.min_res > data.max_res:
+        raise ConfigError(f"config key 'data.min_res' ({data.min_res}) must not exceed data.max_res ({data.max_res})")
+    if data.max_res and data.min_res < data.max_res and data.end_ramp <= data.start_ramp:
+        raise ConfigError(f"config key 'data.end_ramp' ({data.end_ramp}) must exceed data.start_ramp "
+                          f"({data.start_ramp}) when data.min_res < data.max_res")
+    best = cfg.checkpoint.best_metric
+    if best.startswith("ema_") and not ema.decay:
+        raise ConfigError(f"checkpoint.best_metric={best} needs the EMA (set ema.decay, e.g. 0.9998)")
+    if cfg.eval.ema and not ema.decay:
+        raise ConfigError("eval.ema=true needs a checkpoint trained with the EMA (ema.decay > 0)")
 
 
 def step_range(text: str) -> tuple[int, int] | None:

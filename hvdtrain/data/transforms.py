@@ -9,26 +9,39 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DataConfig
+from ..config import AugmentConfig, DataConfig
 from .decode import CenterCrop, TrainCrop, Transform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def val_resize_size(data: DataConfig) -> int:
-    return data.val_resize or int(round(data.image_size / 0.875))
+def val_image_size(data: DataConfig) -> int:
+    return data.val_image_size or data.image_size
 
 
-def fast_train_transform(data: DataConfig) -> Transform:
+def val_resize_size(data: DataConfig, size: int = 0) -> int:
+    return data.val_resize or int(round((size or val_image_size(data)) / 0.875))
+
+
+def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None) -> Transform:
     """Encoded bytes -> uint8 crop: torchvision's RandomResizedCrop + horizontal flip, decoded faster
-    (``data/decode.py``); without ``data.augment``, the evaluation crop."""
-    return TrainCrop(data.image_size) if data.augment else fast_eval_transform(data)
+    (``data/decode.py``), then ``augment``'s policy and random erasing (``data/policies.py``); without
+    ``data.augment``, the evaluation crop at ``data.image_size``."""
+    if not data.augment:
+        return CenterCrop(data.image_size, val_resize_size(data, data.image_size))
+    crop = TrainCrop(data.image_size)
+    if augment is None:
+        return crop
+    from .policies import Augmented, policy_ops
+
+    op = policy_ops(augment)
+    return crop if op is None else Augmented(crop, op)
 
 
 def fast_eval_transform(data: DataConfig) -> Transform:
-    """Encoded bytes -> uint8 center crop after a resize to ``val_resize_size``."""
-    return CenterCrop(data.image_size, val_resize_size(data))
+    """Encoded bytes -> uint8 center crop (``data.val_image_size``) after a resize to ``val_resize_size``."""
+    return CenterCrop(val_image_size(data), val_resize_size(data))
 
 
 class DeviceNormalizer:
