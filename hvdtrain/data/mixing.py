@@ -35,7 +35,18 @@ class MixDraw:
     box: tuple[int, int, int, int] = (0, 0, 0, 0)  # x1, y1, x2, y2
 
 
+def cutmix_draw(lam: float, center_x: int, center_y: int, height: int, width: int) -> MixDraw:
+    """torchvision CutMix's box for a drawn ``lam`` and centre, and the ``lam`` it leaves."""
+    half = 0.5 * math.sqrt(1.0 - lam)
+    half_w, half_h = int(half * width), int(half * height)
+    x1, y1 = max(center_x - half_w, 0), max(center_y - half_h, 0)
+    x2, y2 = min(center_x + half_w, width), min(center_y + half_h, height)
+    return MixDraw("cutmix", 1.0 - (x2 - x1) * (y2 - y1) / (width * height), (x1, y1, x2, y2))
+
+
 class BatchMix:
+    """The batch-level mixer (see the module docstring)."""
+
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, mix_prob: float, switch_prob: float,
                  num_classes: int):
         self.mixup_alpha, self.cutmix_alpha = mixup_alpha, cutmix_alpha
@@ -55,17 +66,11 @@ class BatchMix:
         if not cutmix:
             return MixDraw("mixup", float(rng.beta(self.mixup_alpha, self.mixup_alpha)))
         lam = float(rng.beta(self.cutmix_alpha, self.cutmix_alpha))
-        center_x, center_y = int(rng.integers(width)), int(rng.integers(height))
-        half = 0.5 * math.sqrt(1.0 - lam)
-        half_w, half_h = int(half * width), int(half * height)
-        x1, y1 = max(center_x - half_w, 0), max(center_y - half_h, 0)
-        x2, y2 = min(center_x + half_w, width), min(center_y + half_h, height)
-        return MixDraw("cutmix", 1.0 - (x2 - x1) * (y2 - y1) / (width * height), (x1, y1, x2, y2))
+        return cutmix_draw(lam, int(rng.integers(width)), int(rng.integers(height)), height, width)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, C, H, W) images and class indices -> mixed images and soft targets (float32)."""
-        mixed = self.apply(images, labels, self.draw(seed, images.shape[-2], images.shape[-1]))
-        return mixed
+        return self.apply(images, labels, self.draw(seed, images.shape[-2], images.shape[-1]))
 
     def apply(self, images: torch.Tensor, labels: torch.Tensor, draw: MixDraw) -> tuple[torch.Tensor, torch.Tensor]:
         onehot = F.one_hot(labels, self.num_classes).to(torch.float32)
