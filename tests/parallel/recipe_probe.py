@@ -38,7 +38,8 @@ def tiny(name: str, data_dir: str, out: Path) -> list[str]:
     overrides = [f"data.dir={data_dir}", "data.image_size=32", "data.workers=0", "data.val_resize=0",
                  "train.batch_size=4", "train.steps_per_epoch=2", "train.epochs=1", "runtime.threads=1",
                  "amp.enabled=false", "checkpoint.resume=never", "output.progress=false",
-                 "output.tensorboard=false", "runtime.stats_interval=0", f"output.dir={out / name}"]
+                 "output.tensorboard=false", "runtime.stats_interval=0", "dist.timeout_seconds=300",
+                 f"output.dir={out / name}"]
     if cfg.data.max_res:
         overrides += ["data.min_res=32", "data.max_res=64"]
     if cfg.data.val_image_size:

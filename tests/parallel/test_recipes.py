@@ -32,7 +32,7 @@ EVERYTHING = ["--config", "debug", "data.workers=1", "checkpoint.every_steps=3",
               "data.min_res=32", "data.max_res=64", "data.start_ramp=0", "data.end_ramp=3", "optim.name=lars",
               "optim.base_lr=2.0", "optim.weight_decay=5e-5", "optim.schedule=poly", "optim.warmup_epochs=1",
               "optim.label_smoothing=0.1", "eval.flip=true", "checkpoint.best_metric=ema_top1",
-              "output.tensorboard=false"]
+              "output.tensorboard=false", "dist.timeout_seconds=300"]
 
 
 def assert_bitwise(a, b, where: str = "") -> None:
@@ -103,7 +103,7 @@ def test_presets_run_on_two_ranks_and_the_demo_learns_with_ema_mixup_trivialaugm
     learn = ["--config", "demo", "data.image_size=48", "data.workers=0", "runtime.threads=1", "train.epochs=6",
              "ema.decay=0.99", "augment.mixup_alpha=0.2", "augment.policy=trivialaugment",
              "checkpoint.best_metric=ema_top1", "train.target_top1=50", "output.progress=false",
-             "output.tensorboard=false", f"output.dir={run_dir}"]
+             "output.tensorboard=false", "dist.timeout_seconds=300", f"output.dir={run_dir}"]
     result = launch("mpirun", 2, [str(RECIPE_PROBE), str(probe), "presets", str(tiny_data), *RECIPES, "--", *learn],
                     tmp_path)
     presets = [json.loads((probe / f"presets{r}.json").read_text()) for r in range(2)]

@@ -34,7 +34,7 @@ def test_value_types_are_coerced_from_text_and_yaml(tmp_path):
 
 @pytest.mark.parametrize("override, fragment", [
     ("train.epoch=3", "unknown config key 'train.epoch' (valid keys in 'train': backward_passes_per_step, batch_size"),
-    ("trian.epochs=3", "unknown config key 'trian.epochs' (valid keys: amp, checkpoint"),
+    ("trian.epochs=3", "unknown config key 'trian.epochs' (valid keys: amp, augment, checkpoint"),
     ("train.epochs=three", "config key 'train.epochs' expects int, got 'three'"),
     ("amp.dtype=fp8", "config key 'amp.dtype' expects one of float16, bfloat16, got 'fp8'"),
     ("model.sync_bn=maybe", "config key 'model.sync_bn' expects bool"),

@@ -303,3 +303,19 @@ def test_bad_recipe_settings_get_one_line(override, words):
 def test_readme_table_lists_every_preset():
     readme = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
     assert all(f"`{name}`" in readme for name in RECIPES)
+
+
+def test_bench_data_measures_every_policy(tmp_path, capsys):
+    from hvdtrain.data.demo import generate
+    from hvdtrain.tools.bench_data import main
+
+    generate(tmp_path / "data", train_per_class=4, val_per_class=1, size=40, num_classes=2)
+    assert main([f"data.dir={tmp_path / 'data'}", "data.workers=0", "runtime.threads=1", "data.image_size=32",
+                 "train.batch_size=4", "--rounds", "1", "--batches", "1", "--policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    measured = [line for line in lines if line.startswith("policy ")]
+    assert [line.split(":")[0] for line in measured] == ["policy trivialaugment", "policy randaugment",
+                                                         "policy autoaugment", "policy random_erase=0.25"]
+    assert all(float(line.split(": ")[1].split()[0]) > 0 for line in measured)
+    # Each pipeline ran its warm-up round and one measured round of one batch of 4 images.
+    assert sum(line.startswith("round 1:") for line in lines) == 1 and lines[-1].startswith("images_per_sec=")
