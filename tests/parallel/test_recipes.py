@@ -100,9 +100,11 @@ def test_everything_on_resumes_bitwise_and_ranks_agree(straight, tiny_data, tmp_
 
 def test_presets_run_on_two_ranks_and_the_demo_learns_with_ema_mixup_trivialaugment(tiny_data, tmp_path):
     probe, run_dir = tmp_path / "probe", tmp_path / "learn"
-    learn = ["--config", "demo", "data.image_size=48", "data.workers=0", "runtime.threads=1", "train.epochs=6",
-             "ema.decay=0.99", "augment.mixup_alpha=0.2", "augment.policy=trivialaugment",
-             "checkpoint.best_metric=ema_top1", "train.target_top1=50", "output.progress=false",
+    # 32 px, 15 steps of 2 x 32 images per epoch; measured: EMA top-1 28% after epoch 1, 51.5% after 2.
+    learn = ["--config", "demo", "data.image_size=32", "data.workers=0", "runtime.threads=1", "train.epochs=5",
+             "optim.base_lr=0.2", "optim.warmup_epochs=1", "ema.decay=0.98", "augment.mixup_alpha=0.2",
+             "augment.policy=trivialaugment", "checkpoint.best_metric=ema_top1", "train.target_top1=40",
+             "output.progress=false",
              "output.tensorboard=false", "dist.timeout_seconds=300", f"output.dir={run_dir}"]
     result = launch("mpirun", 2, [str(RECIPE_PROBE), str(probe), "presets", str(tiny_data), *RECIPES, "--", *learn],
                     tmp_path)
@@ -116,8 +118,9 @@ def test_presets_run_on_two_ranks_and_the_demo_learns_with_ema_mixup_trivialaugm
     records = load_records(run_dir)
     val = [r for r in records if r["split"] == "val"]
     reached = val[-1]
-    # Well above chance (10 classes: 10%): the EMA weights reach 50% top-1, and the run stops there.
-    assert reached.get("target_reached") and reached["ema_top1"] >= 50, [r["ema_top1"] for r in val]
+    # Well above chance (10 classes: 10%): the EMA weights reach 40% top-1, and the run stops there.
+    assert reached.get("target_reached") and reached["ema_top1"] >= 40, [r["ema_top1"] for r in val]
+    assert len(val) < 5 and all(r["ema_top1"] < 40 for r in val[:-1])
     assert reached["epochs_to_target"] == len(val) and saved[0]["step"] == 15 * len(val)
     assert 0 < reached["time_to_target_seconds"] < 600
     assert "target reached: val ema_top1" in result.stdout
