@@ -27,7 +27,7 @@ def digest(state: dict) -> str:
     h = hashlib.sha256()
     for key in sorted(state):
         h.update(key.encode())
-        h.update(state[key].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(state[key].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
