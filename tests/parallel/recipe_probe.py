@@ -70,7 +70,9 @@ def main() -> None:
             results[name] = {"params": digest(unwrap_state_dict(run.state.model)),
                              "ema": digest(ema.state_dict()["module"]) if ema is not None else None,
                              "steps": run.state.position.step, "optimizer": type(run.state.optimizer).__name__,
-                             "val": {k: v for k, v in metrics["val"].items() if isinstance(v, (int, float))}}
+                             # the validation metrics, without the rank's own timings
+                             "val": {k: v for k, v in metrics["val"].items() if isinstance(v, (int, float))
+                                     and k not in ("seconds", "samples_per_sec")}}
         (out / f"presets{dist.rank()}.json").write_text(json.dumps(results))
     args = train_parser().parse_args(rest)
     run, metrics = run_training(load_config(args.config, args.overrides))
