@@ -16,7 +16,7 @@ from .config import Config
 from .data import DataError
 from .data.loaders import Loaders
 from .finetune import apply_freeze
-from .optim import LRSchedule, build_torch_optimizer
+from .optim import LRSchedule, build_optimizer as build_named_optimizer
 from .sync_bn import convert_sync_batchnorm
 from .tasks import DataEnv, Task
 from .watchdog import LivenessService, Peer
@@ -99,7 +99,7 @@ def compression_for(cfg: Config, device: torch.device) -> str:
 def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
                     device: torch.device) -> torch.optim.Optimizer:
     return dist.distributed_optimizer(
-        build_torch_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
+        build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
         compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
         op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense)
 

@@ -94,6 +94,17 @@ class DataConfig:
     """Recommendation: cache the parsed and split ratings next to the source (or under $HVDTRAIN_CACHE); rebuilt when the source changes."""
     val_fraction: float = 0.0
     """0 = validate on val/; above 0, this fraction of each class of train/ is the validation set (seeded split, kept in <output.dir>/val_split.json); val/ is not needed."""
+    # --- progressive resizing and test resolution (docs/recipes.md) ---
+    min_res: int = 0
+    """Progressive resizing: training resolution up to epoch data.start_ramp (FFCV's schedule); 0 = off (data.image_size throughout)."""
+    max_res: int = 0
+    """Progressive resizing: training resolution from epoch data.end_ramp on; rises linearly in between, rounded to a multiple of 32."""
+    start_ramp: int = 0
+    """Progressive resizing: last epoch (0-based) at data.min_res."""
+    end_ramp: int = 0
+    """Progressive resizing: first epoch (0-based) at data.max_res."""
+    val_image_size: int = 0
+    """Validation center-crop size; 0 = data.image_size (e.g. 224 for a 160-176 px training resolution: FixRes)."""
 
 
 @dataclass
@@ -120,6 +131,8 @@ class TrainConfig:
     """Optimizer steps per epoch; 0 = the whole epoch (a cap for quick runs)."""
     backward_passes_per_step: int = 1
     """Batches accumulated locally before each allreduce and optimizer step."""
+    target_top1: float = 0.0
+    """Stop when the validation metric that picks best.pt (top-1 %, see checkpoint.best_metric) reaches this, and record the time to accuracy; 0 = off."""
 
 
 @dataclass
@@ -134,16 +147,29 @@ class OptimConfig:
     """Applied to weights only: biases and normalization parameters get none."""
     warmup_epochs: float = 5.0
     """Linear warm-up from base_lr to the scaled learning rate over this many epochs."""
-    schedule: Literal["step", "cosine"] = "step"
-    """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to zero."""
+    schedule: Literal["step", "cosine", "poly"] = "step"
+    """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to optim.end_lr; poly: (1 - progress)^optim.poly_power to optim.end_lr (MLPerf)."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (validation loss is plain cross-entropy)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
-    optimizer: Literal["sgd", "adagrad", "adam"] = "sgd"
-    """sgd (momentum, nesterov); adagrad; adam. With sparse gradients: sgd or adagrad, and optim.weight_decay=0."""
     head_lr_mult: float = 1.0
     """The classifier head's learning rate relative to the rest (fine-tuning: e.g. 10)."""
+    # --- optimizers for large batches (hvdtrain/optimizers.py, docs/recipes.md) ---
+    name: Literal["sgd", "lars", "lamb", "adamw", "adagrad", "adam"] = "sgd"
+    """sgd (momentum, nesterov); lars (MLPerf ResNet-50: layer-wise trust ratio, BN and biases excluded); lamb (timm); adamw; adagrad; adam. With sparse gradients (model.sparse_embeddings): sgd or adagrad, and optim.weight_decay=0."""
+    end_lr: float = 0.0
+    """Learning rate reached at the last step by the cosine and poly schedules (absolute, not scaled)."""
+    poly_power: float = 2.0
+    """Exponent of the poly schedule (MLPerf: 2; 1 = linear decay, FFCV's schedule)."""
+    lars_eta: float = 0.001
+    """LARS trust coefficient eta: local rate = eta * ||w|| / (||g|| + weight_decay * ||w||)."""
+    beta1: float = 0.9
+    """LAMB/AdamW first-moment decay."""
+    beta2: float = 0.999
+    """LAMB/AdamW second-moment decay."""
+    eps: float = 1e-6
+    """LAMB/AdamW denominator epsilon."""
 
 
 @dataclass
@@ -216,6 +242,8 @@ class CheckpointConfig:
     """Also checkpoint every this many optimizer steps, mid-epoch; 0 = at the end of each epoch only."""
     keep: int = 3
     """Numbered checkpoints (step-N.pt) kept besides last.pt and best.pt; 0 = last.pt and best.pt only."""
+    best_metric: str = ""
+    """Validation metric that picks best.pt, e.g. top1, ema_top1, loss (lower is better for *loss); empty = the task's (top1)."""
 
 
 @dataclass
@@ -266,6 +294,49 @@ class TrackingConfig:
     """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
     flush_seconds: float = 60.0
     """At the end of the run or on a stop signal, wait at most this long for queued values to be sent and the tracker runs to end."""
+class EmaConfig:
+    decay: float = 0.0
+    """Model EMA: ema = decay * ema + (1 - decay) * weights after the optimizer step; 0 = off (e.g. 0.9998)."""
+    every_steps: int = 1
+    """Update the EMA every this many optimizer steps."""
+    warmup: bool = True
+    """Warm the decay up as timm's ModelEmaV3: min(decay, 1 - (1 + step / ema.warmup_gamma)^-ema.warmup_power)."""
+    warmup_gamma: float = 1.0
+    """timm's warm-up gamma."""
+    warmup_power: float = 0.6667
+    """timm's warm-up power (2/3; 3/4 for short runs)."""
+
+
+@dataclass
+class AugmentConfig:
+    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment"] = "none"
+    """Augmentation policy on the uint8 training crops (torchvision transforms.v2), seeded per sample."""
+    magnitude: int = 9
+    """RandAugment magnitude (0 .. augment.magnitude_bins - 1)."""
+    num_ops: int = 2
+    """RandAugment: operations per image."""
+    magnitude_bins: int = 31
+    """RandAugment / TrivialAugment: number of magnitude levels."""
+    autoaugment_policy: Literal["imagenet", "cifar10", "svhn"] = "imagenet"
+    """AutoAugment's learned policy."""
+    random_erase: float = 0.0
+    """RandomErasing probability per training image (erased to the mean pixel); 0 = off."""
+    mixup_alpha: float = 0.0
+    """Mixup: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
+    cutmix_alpha: float = 0.0
+    """CutMix: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
+    mix_prob: float = 1.0
+    """Probability that a batch is mixed at all (mixup or cutmix on)."""
+    switch_prob: float = 0.5
+    """With both mixup and cutmix on: probability of cutmix for a mixed batch."""
+
+
+@dataclass
+class EvalConfig:
+    flip: bool = False
+    """Test-time augmentation: average the logits of each validation image and its mirror image."""
+    ema: bool = False
+    """hvdtrain evaluate: score the checkpoint's EMA weights instead of the raw ones."""
 
 
 @dataclass
@@ -286,6 +357,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def apply_mapping(cfg: Config, mapping: dict[str, Any], source: str = "config") -> None:
@@ -392,6 +466,7 @@ def validate(cfg: Config) -> None:
                           f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
     step_range(cfg.runtime.timeline_steps)
     validate_finetune_and_augment(cfg)
+    validate_recipes(cfg)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
     if cfg.runtime.preemption_poll_seconds <= 0:
@@ -427,8 +502,8 @@ def validate_recommendation(cfg: Config) -> None:
         raise ConfigError(f"config key 'model.mlp_layers': expected positive widths separated by commas, "
                           f"e.g. 64,32,16, got '{model.mlp_layers}'")
     if model.sparse_embeddings:
-        if cfg.optim.optimizer == "adam":
-            raise ConfigError("model.sparse_embeddings=true needs optim.optimizer=sgd or adagrad (torch's Adam "
+        if cfg.optim.name == "adam":
+            raise ConfigError("model.sparse_embeddings=true needs optim.name=sgd or adagrad (torch's Adam "
                               "takes no sparse gradients), or set model.sparse_embeddings=false")
         if cfg.optim.weight_decay > 0:
             raise ConfigError("model.sparse_embeddings=true needs optim.weight_decay=0 (torch applies no weight "
@@ -460,6 +535,49 @@ def validate_finetune_and_augment(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.val_fraction' must be in [0, 1), got {cfg.data.val_fraction}")
     if cfg.optim.head_lr_mult <= 0:
         raise ConfigError(f"config key 'optim.head_lr_mult' must be positive, got {cfg.optim.head_lr_mult}")
+
+
+def validate_recipes(cfg: Config) -> None:
+    """The keys of docs/recipes.md: EMA, augmentation, progressive resizing, optimizers, target."""
+    optim, augment, data, ema = cfg.optim, cfg.augment, cfg.data, cfg.ema
+    if not 0 <= optim.momentum < 1:
+        raise ConfigError(f"config key 'optim.momentum' must be in [0, 1) for optim.name={optim.name}, "
+                          f"got {optim.momentum}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"config key 'optim.{key}' must be in [0, 1), got {getattr(optim, key)}")
+    for key, value in (("optim.end_lr", optim.end_lr), ("optim.lars_eta", optim.lars_eta),
+                       ("optim.eps", optim.eps), ("augment.mixup_alpha", augment.mixup_alpha),
+                       ("augment.cutmix_alpha", augment.cutmix_alpha), ("train.target_top1", cfg.train.target_top1),
+                       ("data.min_res", data.min_res), ("data.max_res", data.max_res),
+                       ("data.start_ramp", data.start_ramp), ("data.end_ramp", data.end_ramp),
+                       ("data.val_image_size", data.val_image_size)):
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    if optim.poly_power <= 0:
+        raise ConfigError(f"config key 'optim.poly_power' must be positive, got {optim.poly_power}")
+    for key in ("random_erase", "mix_prob", "switch_prob"):
+        if not 0 <= getattr(augment, key) <= 1:
+            raise ConfigError(f"config key 'augment.{key}' is a probability in [0, 1], got {getattr(augment, key)}")
+    if not 0 <= augment.magnitude < augment.magnitude_bins or augment.num_ops < 1:
+        raise ConfigError(f"config keys 'augment.magnitude' ({augment.magnitude}) must be in [0, augment.magnitude_bins "
+                          f"({augment.magnitude_bins})) and augment.num_ops ({augment.num_ops}) >= 1")
+    if not 0 <= ema.decay < 1:
+        raise ConfigError(f"config key 'ema.decay' must be in [0, 1) (0 = off; e.g. 0.9998), got {ema.decay}")
+    if ema.every_steps < 1 or ema.warmup_gamma <= 0 or ema.warmup_power <= 0:
+        raise ConfigError("config keys 'ema.every_steps', 'ema.warmup_gamma' and 'ema.warmup_power' must be positive")
+    if bool(data.min_res) != bool(data.max_res):
+        raise ConfigError("progressive resizing needs both data.min_res and data.max_res (or neither)")
+    if data.min_res > data.max_res:
+        raise ConfigError(f"config key 'data.min_res' ({data.min_res}) must not exceed data.max_res ({data.max_res})")
+    if data.max_res and data.min_res < data.max_res and data.end_ramp <= data.start_ramp:
+        raise ConfigError(f"config key 'data.end_ramp' ({data.end_ramp}) must exceed data.start_ramp "
+                          f"({data.start_ramp}) when data.min_res < data.max_res")
+    best = cfg.checkpoint.best_metric
+    if best.startswith("ema_") and not ema.decay:
+        raise ConfigError(f"checkpoint.best_metric={best} needs the EMA (set ema.decay, e.g. 0.9998)")
+    if cfg.eval.ema and not ema.decay:
+        raise ConfigError("eval.ema=true needs a checkpoint trained with the EMA (ema.decay > 0)")
 
 
 def step_range(text: str) -> tuple[int, int] | None:

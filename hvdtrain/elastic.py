@@ -180,6 +180,8 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
     stop = StopRequest.for_config(cfg.runtime)
     outputs: list[Outputs] = []
     last: dict[str, Any] = {}
+    if run.clock is not None:
+        run.clock.start()
 
     @dist.elastic_run
     def loop(es: ElasticState) -> None:
@@ -224,6 +226,8 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
             last = end_epoch(run, out, position.epoch, train_metrics, watch=False)
             es.train_sums = torch.zeros_like(es.train_sums)
             es.commit()
+            if last["val"].get("target_reached"):
+                break  # train.target_top1 reached (global metrics: every rank agrees)
 
     try:
         with stop.installed():

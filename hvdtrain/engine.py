@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -37,6 +37,9 @@ class StepSettings:
     clip_grad_norm: float = 0.0
     backward_passes_per_step: int = 1
     phase_timing: bool = True                  # time each step's phases (phases.py)
+    seed: int = 0                              # cfg.seed: batch-level random augmentation derives from it
+    # Called with the state after every optimizer step, on every rank (e.g. the model EMA's update).
+    after_optimizer_step: list[Callable[[RunState], None]] = field(default_factory=list)
 
     def lr_at(self, state: RunState) -> float:
         """The rate for the next step: a function of the position in the epoch, so that it stays
@@ -124,9 +127,12 @@ def train_one_epoch(
         lr = settings.lr_at(state)
         set_lr(state.optimizer, lr)
         clock.lap("other")
-        for _ in range(passes):
+        for pass_index in range(passes):
             fetch_start = time.perf_counter()
             inputs, targets = task.to_device(next(iterator), settings.device, settings.dtype)
+            # Batch-level augmentation (mixup/cutmix): its draws depend only on the place in the run.
+            inputs, targets = task.augment_batch(inputs, targets, batch_seed(settings.seed, position.epoch,
+                                                                             position.step, pass_index, dist.rank()))
             data_seconds += time.perf_counter() - fetch_start
             clock.lap("data")
             with settings.autocast():
@@ -142,6 +148,8 @@ def train_one_epoch(
         optimizer_step(state, settings, clock)
         position.step += 1
         position.step_in_epoch += 1
+        for hook in settings.after_optimizer_step:
+            hook(state)
         if on_step is not None:
             on_step(state)
         clock.end()
@@ -153,6 +161,16 @@ def train_one_epoch(
                    stopped=stopped, rank_phases=clock.summary())
     add_bad_files(metrics, batches, allreduce_sum)
     return metrics
+
+
+def batch_seed(seed: int, epoch: int, step: int, pass_index: int, rank: int) -> int:
+    """The random seed of one training batch on one rank: a 63-bit mix of its place in the run, so
+    that a resumed run draws exactly what the uninterrupted one drew."""
+    mixed = seed
+    for value, multiplier in ((epoch, 0x9E3779B97F4A7C15), (step, 0xBF58476D1CE4E5B9), (pass_index, 0x94D049BB133111EB),
+                              (rank, 0xD6E8FEB86659FD93)):
+        mixed = ((mixed ^ (mixed >> 29)) + (value + 1) * multiplier) & (2**64 - 1)
+    return mixed & (2**63 - 1)
 
 
 def add_bad_files(metrics: dict, batches: Iterable, allreduce_sum: AllreduceSum) -> None:
@@ -169,16 +187,17 @@ def add_bad_files(metrics: dict, batches: Iterable, allreduce_sum: AllreduceSum)
 
 @torch.no_grad()
 def evaluate(state: RunState, settings: StepSettings, batches: Iterable[Any], allreduce_sum: AllreduceSum,
-             on_batch: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Exact metrics over the whole split: sums of this rank's shard, then summed over ranks."""
-    task, model = settings.task, state.model
+             on_batch: Callable[[], None] | None = None, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Exact metrics over the whole split: sums of this rank's shard, then summed over ranks.
+    ``model``: another model than the state's (e.g. the EMA weights)."""
+    task, model = settings.task, state.model if model is None else model
     model.eval()
     sums = MetricSums(len(task.sum_fields))
     start = time.perf_counter()
     for batch in batches:
         inputs, targets = task.to_device(batch, settings.device, settings.dtype)
         with settings.autocast():
-            outputs = model(inputs)
+            outputs = task.predict(model, inputs)
         loss = task.loss(outputs, targets, training=False)
         sums.add(task.metric_sums(loss, outputs, targets))
         if on_batch is not None:

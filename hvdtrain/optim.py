@@ -33,6 +33,8 @@ class LRSchedule:
     epochs: int
     steps_per_epoch: int
     schedule: str = "step"
+    end_lr: float = 0.0       # cosine and poly end here
+    poly_power: float = 2.0
 
     @classmethod
     def from_config(cls, optim: OptimConfig, global_batch: int, epochs: int, steps_per_epoch: int) -> "LRSchedule":
@@ -40,7 +42,8 @@ class LRSchedule:
         # Goyal et al. warm up from the reference rate (for 256 images) to k times it; below a global
         # batch of 256 there is nothing to warm up to, so the start never exceeds the peak.
         return cls(peak_lr=peak, start_lr=min(optim.base_lr, peak), warmup_epochs=optim.warmup_epochs,
-                   epochs=epochs, steps_per_epoch=steps_per_epoch, schedule=optim.schedule)
+                   epochs=epochs, steps_per_epoch=steps_per_epoch, schedule=optim.schedule,
+                   end_lr=optim.end_lr, poly_power=optim.poly_power)
 
     def __call__(self, step: int) -> float:
         return lr_at(step, self)
@@ -54,10 +57,13 @@ def lr_at(step: int, sched: LRSchedule) -> float:
     if sched.schedule == "step":
         passed = sum(epoch >= sched.epochs * m / 90 for m in STEP_MILESTONES_OF_90)
         return sched.peak_lr * 0.1 ** passed
+    span = max(sched.epochs - sched.warmup_epochs, 1e-12)
+    progress = min(max((epoch - sched.warmup_epochs) / span, 0.0), 1.0)
     if sched.schedule == "cosine":
-        span = max(sched.epochs - sched.warmup_epochs, 1e-12)
-        progress = min(max((epoch - sched.warmup_epochs) / span, 0.0), 1.0)
-        return sched.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return sched.end_lr + (sched.peak_lr - sched.end_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if sched.schedule == "poly":
+        # MLPerf ResNet-50's polynomial decay after warm-up (power 2 there; power 1 is a linear decay).
+        return sched.end_lr + (sched.peak_lr - sched.end_lr) * (1.0 - progress) ** sched.poly_power
     raise ValueError(f"unknown schedule {sched.schedule!r}")
 
 
@@ -84,28 +90,47 @@ def param_groups(model: torch.nn.Module, weight_decay: float, head: str = "",
     return groups
 
 
-def build_sgd(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.SGD:
+def optimizer_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict]:
+    """``param_groups`` with the classifier head in groups of its own when ``optim.head_lr_mult`` is set."""
     head = ""
     if optim.head_lr_mult != 1.0:
         from .finetune import classifier_name
 
         head = classifier_name(model)
-    return torch.optim.SGD(param_groups(model, optim.weight_decay, head, optim.head_lr_mult), lr=lr,
-                           momentum=optim.momentum, nesterov=optim.nesterov and optim.momentum > 0)
+    return param_groups(model, optim.weight_decay, head, optim.head_lr_mult)
 
 
-def build_torch_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    """``optim.optimizer``: SGD (the default), Adagrad or Adam, weight decay on weights only.
+def build_sgd(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.SGD:
+    return torch.optim.SGD(optimizer_groups(model, optim), lr=lr, momentum=optim.momentum,
+                           nesterov=optim.nesterov and optim.momentum > 0)
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """The optimizer ``optim.name`` names, over ``optimizer_groups`` (no weight decay on 1-d parameters).
 
     SGD and Adagrad also take sparse gradients (embeddings with ``sparse=True``), without weight
-    decay (config.validate checks it); Adam takes dense gradients only.
+    decay (config.validate checks it); Adam and AdamW take dense gradients only. LARS and LAMB adapt
+    the rate of the groups whose parameters are all matrices or convolutions; biases and
+    normalization parameters keep the plain update (MLPerf's exclusion).
     """
-    if optim.optimizer == "sgd":
+    if optim.name == "sgd":
         return build_sgd(model, optim, lr)
-    groups = param_groups(model, optim.weight_decay)
-    if optim.optimizer == "adagrad":
+    groups = optimizer_groups(model, optim)
+    if optim.name == "adagrad":
         return torch.optim.Adagrad(groups, lr=lr)
-    return torch.optim.Adam(groups, lr=lr)
+    if optim.name == "adam":
+        return torch.optim.Adam(groups, lr=lr)
+    if optim.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    from .optimizers import LAMB, LARS
+
+    for group in groups:
+        group["adapt"] = all(param.ndim > 1 for param in group["params"])
+    if optim.name == "lars":
+        return LARS(groups, lr=lr, momentum=optim.momentum, eta=optim.lars_eta, nesterov=optim.nesterov)
+    if optim.name == "lamb":
+        return LAMB(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    raise ValueError(f"unknown optimizer {optim.name!r}")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -8,6 +8,7 @@ elastic.py both import this module.
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +19,10 @@ import torch
 from . import checkpoint, dist, tracking
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
-from .config import Config, dump_yaml, step_range, to_dict
+from .config import Config, ConfigError, dump_yaml, step_range, to_dict
 from .data.loaders import Loaders
 from .dist import log
+from .ema import ModelEma
 from .engine import StepSettings, evaluate
 from .finetune import load_weights
 from .metrics import MetricSums, MetricsWriter
@@ -51,6 +53,8 @@ class Run:
     start_epoch: int = 0
     timeline: TimelineWindow | None = None
     stats: StatsSampler | None = None
+    ema: ModelEma | None = None
+    clock: "TrainClock | None" = None
 
 
 def setup(cfg: Config) -> Run:
@@ -84,7 +88,7 @@ def setup(cfg: Config) -> Run:
     settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                             clip_grad_norm=cfg.optim.clip_grad_norm,
                             backward_passes_per_step=cfg.train.backward_passes_per_step,
-                            phase_timing=cfg.runtime.phase_timing)
+                            phase_timing=cfg.runtime.phase_timing, seed=cfg.seed)
     run = Run(cfg=cfg, task=task, state=state, settings=settings, loaders=loaders, steps_per_epoch=steps_per_epoch,
               global_batch=global_batch, run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
               watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
@@ -108,7 +112,47 @@ def setup(cfg: Config) -> Run:
         f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
         f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
         + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
+    add_recipe_state(run)
     return run
+
+
+def add_recipe_state(run: Run) -> None:
+    """The model EMA and the time-to-accuracy clock, when asked for: registered state components
+    (checkpoints, resume and elastic commits carry them), the EMA updated after every optimizer step."""
+    cfg = run.cfg
+    if cfg.ema.decay > 0:
+        run.ema = ModelEma(run.state.model, cfg.ema)
+        run.state.register("ema", run.ema)
+        run.settings.after_optimizer_step.append(run.ema.after_optimizer_step)
+        log(f"hvdtrain: model EMA, decay {cfg.ema.decay:g} every {cfg.ema.every_steps} step(s)"
+            + (f", timm warm-up (gamma {cfg.ema.warmup_gamma:g}, power {cfg.ema.warmup_power:g})"
+               if cfg.ema.warmup else ""))
+    if cfg.train.target_top1 > 0:
+        run.clock = TrainClock()
+        run.state.register("clock", run.clock)
+
+
+class TrainClock:
+    """Wall seconds spent training (from the first step, summed over resumed runs), for the time to
+    accuracy; a state component, so a resumed run continues the count."""
+
+    def __init__(self) -> None:
+        self.before = 0.0       # seconds of earlier runs (from the checkpoint)
+        self.started: float | None = None
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.before + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.before = float(state["seconds"])
+        if self.started is not None:
+            self.started = time.perf_counter()
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -234,10 +278,44 @@ class Outputs:
 
 # --- the end of an epoch, and stopping early ---------------------------------------------------
 
-def is_better(task: Task, value: float, best: float | None) -> bool:
+def best_metric_name(run: Run) -> str:
+    """The validation metric that picks best.pt: ``checkpoint.best_metric``, or the task's."""
+    return run.cfg.checkpoint.best_metric or run.task.best_metric
+
+
+def higher_is_better(task: Task, name: str) -> bool:
+    """The task's direction for its own metric (and its ``ema_`` twin); lower for any ``*loss``."""
+    if name.removeprefix("ema_") == task.best_metric:
+        return task.higher_is_better
+    return "loss" not in name
+
+
+def is_better(task: Task, value: float, best: float | None, name: str | None = None) -> bool:
     if best is None:
         return True
-    return value > best if task.higher_is_better else value < best
+    higher = higher_is_better(task, name) if name else task.higher_is_better
+    return value > best if higher else value < best
+
+
+def validate_with_ema(run: Run, val_metrics: dict[str, Any], watch: bool) -> None:
+    """Score the EMA weights too (after the model's buffers were averaged over ranks) and add the
+    metrics with an ``ema_`` prefix."""
+    run.ema.copy_buffers(run.state.model)
+    ema = evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum,
+                   on_batch=run.watchdog.beat if watch else None, model=run.ema.module)
+    for key, value in ema.items():
+        if key not in ("samples", "bad_files", "seconds", "samples_per_sec"):
+            val_metrics[f"ema_{key}"] = value
+
+
+def check_target(run: Run, epoch: int, val_metrics: dict[str, Any]) -> None:
+    """``train.target_top1``: mark the epoch whose validation metric reaches the target, with the time
+    to accuracy (every rank computes the same: the metrics are global sums)."""
+    name = best_metric_name(run)
+    if run.clock is None or val_metrics[name] < run.cfg.train.target_top1:
+        return
+    val_metrics.update(target_reached=True, target=run.cfg.train.target_top1,
+                       time_to_target_seconds=run.clock.seconds(), epochs_to_target=epoch + 1)
 
 
 def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, Any],
@@ -250,12 +328,19 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
         run.watchdog.beat()
     val_metrics = evaluate(state, run.settings, run.loaders.val, dist.allreduce_sum,
                            on_batch=run.watchdog.beat if watch else None)
+    if run.ema is not None:
+        validate_with_ema(run, val_metrics, watch)
     run.watchdog.disarm()
     val_metrics["lr"] = train_metrics["lr"]
+    name = best_metric_name(run)
+    if name not in val_metrics:
+        raise ConfigError(f"config key 'checkpoint.best_metric': no validation metric '{name}' (this run has "
+                          f"{', '.join(k for k in val_metrics if isinstance(val_metrics[k], float))})")
+    check_target(run, epoch, val_metrics)
     state.position.start_epoch(epoch + 1)
-    is_best = is_better(task, val_metrics[task.best_metric], state.best_metric)
+    is_best = is_better(task, val_metrics[name], state.best_metric, name)
     if is_best:
-        state.best_metric = val_metrics[task.best_metric]
+        state.best_metric = val_metrics[name]
     path = save_checkpoint(run, outputs.saver, is_best=is_best)
     step = state.position.step
     if outputs.writer is not None:
@@ -268,6 +353,8 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
         if outputs.tracker is not None:
             outputs.tracker.checkpoint(path, is_best)
         log(epoch_line(run, epoch, train_metrics, val_metrics))
+        if val_metrics.get("target_reached"):
+            log(target_line(run, val_metrics))
     return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": step}
 
 
@@ -277,6 +364,14 @@ def epoch_line(run: Run, epoch: int, train: dict, val: dict) -> str:
     return (f"epoch {epoch + 1}/{run.cfg.train.epochs}  {run.task.epoch_summary(train, val)}  "
             f"| {train['samples_per_sec']:.1f} {unit}/s, data wait {100 * train['data_wait_fraction']:.1f}%, "
             f"{allreduce}lr {train['lr']:.4g}, {train['seconds']:.1f}s{bad_files_note(train, val)}")
+
+
+def target_line(run: Run, val: dict[str, Any]) -> str:
+    """The final line of a run that reached ``train.target_top1`` (MLPerf's time to accuracy)."""
+    name = best_metric_name(run)
+    return (f"hvdtrain: target reached: val {name} {val[name]:.2f} >= {val['target']:g} after "
+            f"{val['epochs_to_target']} epoch(s), {val['time_to_target_seconds']:.1f} s of training "
+            f"(time to accuracy); stopping")
 
 
 def bad_files_note(train: dict, val: dict) -> str:
@@ -328,7 +423,12 @@ def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
     run = setup(cfg)
     try:
         resume_and_broadcast(run, path)
-        return evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum)
+        model = None
+        if cfg.eval.ema:
+            if run.ema is None or not run.ema.updates:
+                raise ConfigError(f"eval.ema=true: {path} holds no EMA weights (train with ema.decay > 0)")
+            model = run.ema.module
+        return evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum, model=model)
     finally:
         if run.stats is not None:
             run.stats.stop()

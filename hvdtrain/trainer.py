@@ -68,6 +68,8 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
             f"(raise train.epochs to train further)")
     if run.timeline is not None:
         run.timeline.at_step(position.step)
+    if run.clock is not None:
+        run.clock.start()
     try:
         with stop.installed():
             for epoch in range(run.start_epoch, cfg.train.epochs):
@@ -90,6 +92,8 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
                 if train_metrics["stopped"]:
                     stop_for_preemption(run, outputs, stop, run.steps_per_epoch)
                 last = end_epoch(run, outputs, epoch, train_metrics, watch=epoch > run.start_epoch)
+                if last["val"].get("target_reached"):
+                    break  # train.target_top1: every rank has the same global metrics, so all stop here
     except dist.HorovodInternalError as error:
         raise lost_rank(run, error) from None
     finally:

@@ -20,6 +20,7 @@ which converts every decodable image to RGB. A file Pillow cannot decode either 
 
 from __future__ import annotations
 
+import contextvars
 import io
 import math
 from typing import Callable
@@ -37,6 +38,9 @@ RATIO = (3.0 / 4.0, 4.0 / 3.0)
 MIN_DCT_FACTOR = 2.0
 
 Box = tuple[float, float, float, float]  # left, top, width, height in original pixels
+# The training resolution of the epoch being loaded (progressive resizing), set around each sample
+# by sampler.SeededSamples; 0 = the crop's own size.
+RESOLUTION: contextvars.ContextVar[int] = contextvars.ContextVar("hvdtrain_resolution", default=0)
 
 
 class BadImage(Exception):
@@ -186,12 +190,13 @@ class TrainCrop:
         self.size, self.scale, self.ratio, self.hflip = size, scale, ratio, hflip
 
     def __call__(self, data: bytes) -> torch.Tensor:
+        size = RESOLUTION.get() or self.size
         width, height, turbo = image_size(data)
         top, left, h, w = crop_params(width, height, self.scale, self.ratio)
         flip = bool(torch.rand(1) < self.hflip)
         box = (float(left), float(top), float(w), float(h))
-        array, sx, sy = decode(data, box, self.size, turbo)
-        return crop_resize(array, box, sx, sy, self.size, flip)
+        array, sx, sy = decode(data, box, size, turbo)
+        return crop_resize(array, box, sx, sy, size, flip)
 
 
 class PadCrop:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import Dataset, Sampler
+
+from .decode import RESOLUTION
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The random seed of one sample's augmentation in one epoch (a 63-bit mix of the three)."""
@@ -34,7 +36,7 @@ class ShardedSampler(Sampler[tuple[int, int]]):
     """
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, seed: int = 0,
-                 shuffle: bool = True, pad: bool = True):
+                 shuffle: bool = True, pad: bool = True, resolution: Callable[[int], int] | None = None):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} out of range for {num_replicas} replicas")
         self.num_samples_total = num_samples
@@ -45,6 +47,9 @@ class ShardedSampler(Sampler[tuple[int, int]]):
         self.pad = pad
         self.epoch = 0
         self.start = 0
+        # Progressive resizing: epoch -> training resolution, sent with every sample (a pure
+        # function of the epoch, so a resumed run loads at the same size).
+        self.resolution = resolution
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch = epoch
@@ -67,7 +72,10 @@ class ShardedSampler(Sampler[tuple[int, int]]):
             rest = rest + (order * (short // len(order) + 1))[:short]
         return rest[self.rank::self.num_replicas]
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        if self.resolution is not None:
+            size = self.resolution(self.epoch)
+            return iter([(index, sample_seed(self.seed, self.epoch, index), size) for index in self.indices()])
         return iter([(index, sample_seed(self.seed, self.epoch, index)) for index in self.indices()])
 
     def __len__(self) -> int:
@@ -91,9 +99,11 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]):
-        index, seed = key
+    def __getitem__(self, key: tuple[int, ...]):
+        index, seed = key[0], key[1]
         python_state = random.getstate()
+        # A third element is the epoch's training resolution (progressive resizing).
+        token = RESOLUTION.set(key[2]) if len(key) > 2 else None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             random.seed(seed)
@@ -101,3 +111,5 @@ class SeededSamples(Dataset):
                 return self.dataset[index]
             finally:
                 random.setstate(python_state)
+                if token is not None:
+                    RESOLUTION.reset(token)

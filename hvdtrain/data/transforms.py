@@ -16,31 +16,42 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def val_resize_size(data: DataConfig) -> int:
-    return data.val_resize or int(round(data.image_size / 0.875))
+def val_image_size(data: DataConfig) -> int:
+    return data.val_image_size or data.image_size
+
+
+def val_resize_size(data: DataConfig, size: int = 0) -> int:
+    return data.val_resize or int(round((size or val_image_size(data)) / 0.875))
 
 
 def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None) -> Transform:
     """Encoded bytes -> uint8 training crop, as ``augment`` asks (decoded fast, ``data/decode.py``):
-    random_resized = torchvision's RandomResizedCrop, random_pad = the padded random crop of small
-    images, center = the evaluation crop; then a flip with probability ``augment.hflip``. Without
-    ``data.augment``, the evaluation crop alone."""
+    random_resized = torchvision's RandomResizedCrop (at the epoch's resolution with progressive
+    resizing), random_pad = the padded random crop of small images, center = the evaluation crop at
+    the training size; then a flip with probability ``augment.hflip``, then ``augment``'s policy and
+    random erasing (``data/policies.py``). Without ``data.augment``, the evaluation crop alone."""
     augment = augment or AugmentConfig()
+    center = CenterCrop(data.image_size, val_resize_size(data, data.image_size))
     if not data.augment:
-        return fast_eval_transform(data)
+        return center
     if augment.crop == "random_resized":
-        return TrainCrop(data.image_size, float_pair("augment.scale", augment.scale),
+        crop = TrainCrop(data.image_size, float_pair("augment.scale", augment.scale),
                          float_pair("augment.ratio", augment.ratio), augment.hflip)
-    if augment.crop == "random_pad":
+    elif augment.crop == "random_pad":
         # The whole image at the training size (no border cut away): pair it with
         # data.val_resize=image_size so that validation sees the same framing.
-        return PadCrop(data.image_size, data.image_size, augment.pad, augment.hflip)
-    return FlipOnly(fast_eval_transform(data), augment.hflip) if augment.hflip > 0 else fast_eval_transform(data)
+        crop = PadCrop(data.image_size, data.image_size, augment.pad, augment.hflip)
+    else:
+        crop = FlipOnly(center, augment.hflip) if augment.hflip > 0 else center
+    from .policies import Augmented, policy_ops
+
+    op = policy_ops(augment)
+    return crop if op is None else Augmented(crop, op)
 
 
 def fast_eval_transform(data: DataConfig) -> Transform:
-    """Encoded bytes -> uint8 center crop after a resize to ``val_resize_size``."""
-    return CenterCrop(data.image_size, val_resize_size(data))
+    """Encoded bytes -> uint8 center crop (``data.val_image_size``) after a resize to ``val_resize_size``."""
+    return CenterCrop(val_image_size(data), val_resize_size(data))
 
 
 class DeviceNormalizer:

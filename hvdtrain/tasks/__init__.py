@@ -80,6 +80,16 @@ class Task:
         """A loader's batch -> (model inputs, targets) on ``device``; floating inputs in ``dtype``."""
         raise NotImplementedError
 
+    def augment_batch(self, inputs: Any, targets: torch.Tensor, seed: int) -> tuple[Any, torch.Tensor]:
+        """Training only: a batch-level random augmentation (e.g. mixup) drawing from ``seed``, which
+        the engine derives from (cfg.seed, epoch, step, pass, rank). May return soft targets that
+        ``loss`` and ``metric_sums`` accept. Default: the batch as it is."""
+        return inputs, targets
+
+    def predict(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """Evaluation outputs (e.g. averaged over test-time augmentations). Default: ``model(inputs)``."""
+        return model(inputs)
+
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, training: bool) -> torch.Tensor:
         """The mean loss of a batch (``training``: the loss that is optimized, e.g. smoothed)."""
         raise NotImplementedError

@@ -4,6 +4,11 @@ Data: an ImageFolder tree (``data.dir`` with ``train/`` and ``val/``), the built
 when ``data.dir`` is empty, or synthetic batches. Model: any torchvision classification model.
 Loss: cross-entropy (label smoothing in training). Metrics: loss, top-1 and top-5 accuracy, from
 exact sums of correct predictions over every validation image once.
+
+Recipes (docs/recipes.md): per-image policies and random erasing in the loader workers
+(data/policies.py), progressive resizing through the sampler, mixup/cutmix on the device
+(data/mixing.py; training top-1 then counts the dominant label of each mixed image), and
+test-time flip averaging (``eval.flip``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from ..data.demo import ensure_demo_dataset
 from ..data.file_index import FileIndex, shared_index
 from ..data.image_folder import CountingLoader, ImageFiles, collate
 from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
+from ..data.mixing import BatchMix
+from ..data.policies import epoch_resolution
 from ..data.sampler import SeededSamples, ShardedSampler
 from ..data.synthetic import SyntheticBatches
 from ..data.val_split import shared_split
@@ -33,8 +40,10 @@ SUM_FIELDS = ("loss_sum", "correct1", "correct5", "count")
 def hit_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 and top-5 hits in a batch as 0-d tensors on the batch's device (no host sync).
 
-    Top-k is capped by the number of classes.
+    Top-k is capped by the number of classes. Soft targets (mixup/cutmix) count their dominant label.
     """
+    if targets.ndim == 2:
+        targets = targets.argmax(dim=1)
     k = min(5, logits.shape[1])
     hits = logits.topk(k, dim=1).indices.eq(targets.view(-1, 1))
     return hits[:, :1].sum(), hits.sum()
@@ -89,6 +98,9 @@ class ImageClassification(Task):
         self.num_classes = cfg.model.num_classes or 1000
         self.index: FileIndex | None = None
         self.normalizers: dict[tuple, DeviceNormalizer] = {}
+        augment = cfg.augment
+        self.mix = BatchMix(augment.mixup_alpha, augment.cutmix_alpha, augment.mix_prob, augment.switch_prob,
+                            self.num_classes)
 
     def build_loaders(self, env: DataEnv) -> Loaders:
         cfg = self.cfg
@@ -99,7 +111,7 @@ class ImageClassification(Task):
             # ImageNet's proportion of validation samples (50000 for 1281167), so a short synthetic
             # epoch is not followed by a long validation.
             val_samples = round(data.synthetic_samples * 50000 / 1281167)
-            val = SyntheticBatches(max(1, val_samples // world_size // batch), batch, data.image_size,
+            val = SyntheticBatches(max(1, val_samples // world_size // batch), batch, data.val_image_size or data.image_size,
                                    self.num_classes, cfg.seed + 7919 + rank)
             return Loaders(train, val, None, per_rank * world_size, 0)
 
@@ -107,7 +119,9 @@ class ImageClassification(Task):
         train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object, cfg.augment,
                                                        Path(cfg.output.dir), cfg.seed)
         self.num_classes = cfg.model.num_classes or len(self.index.train.classes)
-        train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True)
+        self.mix.num_classes = self.num_classes
+        train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True,
+                                       resolution=epoch_resolution(data) if data.augment else None)
         val_sampler = ShardedSampler(len(val_set), world_size, rank, shuffle=False, pad=False)
         kwargs = loader_kwargs(data, env.pin_memory)
         fail = data.on_bad_file == "fail"
@@ -142,7 +156,22 @@ class ImageClassification(Task):
             self.normalizers[key] = DeviceNormalizer(device, channels_last=device.type == "cuda", dtype=dtype)
         return self.normalizers[key](images), targets.to(device, non_blocking=True)
 
+    def augment_batch(self, inputs: Any, targets: torch.Tensor, seed: int) -> tuple[Any, torch.Tensor]:
+        if not self.mix.enabled:
+            return inputs, targets
+        return self.mix(inputs, targets, seed)
+
+    def predict(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        outputs = model(inputs)
+        if self.cfg.eval.flip:
+            # Test-time augmentation: the mean of the logits of the image and its mirror image.
+            outputs = (outputs + model(inputs.flip(-1))) / 2
+        return outputs
+
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, training: bool) -> torch.Tensor:
+        if targets.is_floating_point():
+            # Soft targets (mixup/cutmix): cross_entropy smooths each one-hot part, as timm's mixup_target.
+            targets = targets.to(torch.promote_types(outputs.dtype, torch.float32))
         if training:
             return F.cross_entropy(outputs, targets, label_smoothing=self.cfg.optim.label_smoothing)
         # Half-precision logits (autocast) are scored in float32; float32 and float64 as they are.
@@ -163,8 +192,9 @@ class ImageClassification(Task):
         return f"{self.cfg.model.arch} with {self.num_classes} classes, {data}"
 
     def epoch_summary(self, train: dict[str, Any], val: dict[str, Any]) -> str:
+        ema = f", ema top1 {val['ema_top1']:.2f}% top5 {val['ema_top5']:.2f}%" if "ema_top1" in val else ""
         return (f"train loss {train['loss']:.4f} top1 {train['top1']:.2f}%  "
-                f"| val loss {val['loss']:.4f} top1 {val['top1']:.2f}% top5 {val['top5']:.2f}%")
+                f"| val loss {val['loss']:.4f} top1 {val['top1']:.2f}% top5 {val['top5']:.2f}%{ema}")
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         return {"arch": self.cfg.model.arch, "num_classes": self.num_classes}

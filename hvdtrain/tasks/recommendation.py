@@ -250,7 +250,7 @@ class Recommendation(Task):
         samples = f"{loaders.train_size} train samples ({cfg.data.negatives} negatives per positive)" \
             if self.implicit else f"{loaders.train_size} train ratings"
         return (f"{model} over {ratings.num_users} users x {ratings.num_items} items, {samples} / "
-                f"{loaders.val_size} val, {gradients}, {cfg.optim.optimizer}")
+                f"{loaders.val_size} val, {gradients}, {cfg.optim.name}")
 
     def epoch_summary(self, train: dict[str, Any], val: dict[str, Any]) -> str:
         if self.implicit:

@@ -78,6 +78,19 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     resume_and_broadcast(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
     state, settings = run.state, run.settings
     passes = settings.backward_passes_per_step
+    # With ema.decay > 0 the EMA update runs after every optimizer step, as in training; its own time
+    # is measured so that its share of the step can be reported.
+    ema_seconds = [0.0]
+    if run.ema is not None:
+        def timed_ema(state_: Any, hook=run.ema.after_optimizer_step) -> None:
+            synchronize(settings.device)
+            start = time.perf_counter()
+            hook(state_)
+            synchronize(settings.device)
+            ema_seconds[0] += time.perf_counter() - start
+
+        settings.after_optimizer_step[:] = [timed_ema if h == run.ema.after_optimizer_step else h
+                                            for h in settings.after_optimizer_step]
     batch = cfg.train.batch_size
     rank = dist.rank()
 
@@ -100,6 +113,8 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
 
     if warmup_steps > 0:
         timed_epoch(batches(warmup_steps), warmup_steps)
+    ema_seconds[0] = 0.0
+    timed_seconds = 0.0
     local_rates, totals, steps_run, samples_run, rank_phases = [], [], [], [], []
     timed = batches(steps)
     for _ in range(repeats):
@@ -110,6 +125,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         metrics = timed_epoch(timed, steps)
         synchronize(settings.device)
         seconds = time.perf_counter() - start
+        timed_seconds += seconds
         local_rates.append(steps * passes * batch / seconds)
         slowest = max(dist.allgather_object(seconds, name="bench_seconds"))
         totals.append(metrics["samples"] / slowest)
@@ -125,6 +141,11 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         gathered = dist.allgather_object({**mine, "rank": rank, "host": ""}, name="bench_phases")
         step_phases = {k[len("phase_"):]: v for k, v in epoch_phases(gathered).items() if k.startswith("phase_")}
     total_mean, total_half = interval95(totals)
+    ema: dict[str, Any] = {}
+    if run.ema is not None:
+        # Rank 0's share: the update is the same arithmetic on every rank.
+        ema = {"ema_every_steps": cfg.ema.every_steps, "ema_update_fraction": ema_seconds[0] / timed_seconds,
+               "ema_seconds_per_step": ema_seconds[0] / (steps * repeats)}
     return {
         "task": run.task.name, "unit": getattr(run.task, "unit", "samples"),
         "arch": cfg.model.arch, "image_size": cfg.data.image_size, "batch_size": batch,
@@ -138,6 +159,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
                       "repeats": rates} for r, rates in enumerate(per_rank)],
         "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
         "phases": step_phases,  # fraction of step time by phase, mean over ranks (phases.py)
+        **ema,
     }
 
 
@@ -160,6 +182,10 @@ def format_report(result: dict[str, Any]) -> list[str]:
     if result.get("phases"):
         lines.append("bench: step time: " + ", ".join(f"{LABELS[phase]} {100 * share:.1f}%"
                                                       for phase, share in result["phases"].items()))
+    if "ema_update_fraction" in result:
+        lines.append(f"bench: model EMA update (every {result['ema_every_steps']} step(s)): "
+                     f"{1000 * result['ema_seconds_per_step']:.2f} ms per step, "
+                     f"{100 * result['ema_update_fraction']:.2f}% of the step time")
     lines.append(f"images_per_sec={result['images_per_sec']:.2f}")
     return lines
 

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import load_config
+from ..config import AugmentConfig, load_config
 from ..data import DataError
 from ..data.image_folder import ImageFiles, collate
 from ..data.loaders import loader_kwargs
@@ -109,6 +109,8 @@ def main(argv: list[str]) -> int:
                         "interleaved, and print the ratio")
     parser.add_argument("--rounds", type=int, default=6, help="measured rounds per pipeline (default 6)")
     parser.add_argument("--batches", type=int, default=4, help="batches per round (default 4)")
+    parser.add_argument("--policies", action="store_true", help="also run every augment.policy (and "
+                        "random erasing), interleaved, and print each one's images/s and its ratio to no policy")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="first write N photo-like 500x375 JPEGs (10 classes) into data.dir if it does not exist")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -138,6 +140,11 @@ def main(argv: list[str]) -> int:
     if args.compare:
         pipelines["reference"] = DataLoader(ReferenceFiles(train_set, data.image_size), batch_size=batch,
                                             sampler=FixedOrder(order), drop_last=True, **kwargs)
+    if args.policies:
+        for name, augment in policy_configs():
+            policy_set, _, _ = file_datasets(data, root, augment=augment)
+            pipelines[name] = DataLoader(policy_set, batch_size=batch, sampler=FixedOrder(order), drop_last=True,
+                                         collate_fn=collate, **kwargs)
     cpu = cpu_name()
     print(f"bench-data: {root} ({len(train_set)} train images from {index.source}), crop {data.image_size}, "
           f"batch {batch}, workers {data.workers}, {threads} thread(s), {args.rounds} rounds x {args.batches} "
@@ -163,8 +170,21 @@ def main(argv: list[str]) -> int:
         print(f"reference_images_per_sec={overall['reference']:.1f}")
         print(f"ratio={overall['hvdtrain'] / overall['reference']:.2f} (median of rounds "
               f"{statistics.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f})")
+    if args.policies:
+        base = overall["hvdtrain"]
+        for name in pipelines:
+            if name.startswith("policy "):
+                print(f"{name}: {overall[name]:.1f} img/s per {threads} thread(s) ({overall[name] / base:.2f} of "
+                      f"the configured pipeline)", flush=True)
     print(f"images_per_sec={overall['hvdtrain']:.1f}", flush=True)
     return 0
+
+
+def policy_configs() -> list[tuple[str, AugmentConfig]]:
+    """Every per-image policy at its default magnitude, and random erasing alone."""
+    return [(f"policy {policy}", AugmentConfig(policy=policy)) for policy in
+            ("trivialaugment", "randaugment", "autoaugment")] + [
+        ("policy random_erase=0.25", AugmentConfig(random_erase=0.25))]
 
 
 def cpu_name() -> str:

@@ -63,6 +63,15 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
         best = max(val, key=lambda r: r["top1"] if not math.isnan(r["top1"]) else -1)
         lines.append(f"val: last epoch loss {last['loss']:.4f}, top-1 {last['top1']:.2f}%, top-5 {last['top5']:.2f}%; "
                      f"best top-1 {best['top1']:.2f}% at epoch {int(best['epoch']) + 1}")
+    if val and any("ema_top1" in r for r in val):
+        best = max((r for r in val if "ema_top1" in r), key=lambda r: r["ema_top1"])
+        lines.append(f"val (EMA weights): last epoch top-1 {val[-1].get('ema_top1', float('nan')):.2f}%; "
+                     f"best {best['ema_top1']:.2f}% at epoch {int(best['epoch']) + 1}")
+    reached = [r for r in val if r.get("target_reached")]
+    if reached:
+        first = reached[0]
+        lines.append(f"time to accuracy: target {first['target']:g} reached after {first['epochs_to_target']} "
+                     f"epoch(s), {first['time_to_target_seconds']:.1f} s of training")
     if train and "lr" in train[-1]:
         lines.append(f"lr: {train[0]['lr']:.4g} (epoch 1) -> {train[-1]['lr']:.4g} (epoch {len(train)})")
     timed = [r for r in train if "phase_compute" in r]

@@ -35,7 +35,7 @@ def ratings_dir(tmp_path_factory) -> Path:
 COMMON = ["output.tensorboard=false", "output.progress=false", "runtime.stats_interval=0", "runtime.threads=1"]
 # NCF, implicit, sparse embedding gradients through Horovod's allgather; Adagrad takes them.
 # 3 epochs of 30 steps; checkpoints every 7 steps (mid-epoch at 7, 14, ...).
-NCF_SPARSE = ["--config", "movielens_ncf", "model.sparse_embeddings=true", "optim.optimizer=adagrad",
+NCF_SPARSE = ["--config", "movielens_ncf", "model.sparse_embeddings=true", "optim.name=adagrad",
               "optim.base_lr=0.02", "model.embedding_dim=8", "model.mlp_layers=16,8", "data.negatives=2",
               "train.batch_size=32", "train.epochs=3", "train.steps_per_epoch=30", "checkpoint.every_steps=7",
               "checkpoint.keep=100", "checkpoint.resume=auto", *COMMON]
@@ -127,7 +127,7 @@ def test_two_ranks_of_b_equal_one_rank_of_2b_for_dense_sparse_and_sparse_as_dens
     """One float64 SGD step of MF: 1 rank x 32 with dense gradients is the reference; 2 ranks x 16
     with sparse gradients (allgather) and with sparse_as_dense must land on it. The validation
     after the step (61 ratings, 31 + 30 on two ranks) must match too."""
-    base = ["--config", "movielens", f"data.dir={ratings_dir}", "model.dtype=float64", "optim.optimizer=sgd",
+    base = ["--config", "movielens", f"data.dir={ratings_dir}", "model.dtype=float64", "optim.name=sgd",
             "optim.momentum=0", "optim.base_lr=0.5", "optim.weight_decay=0", "train.epochs=1",
             "train.steps_per_epoch=1", *COMMON]
     one = probe_run("single", 1, tmp_path / "one", base + ["train.batch_size=32", f"output.dir={tmp_path / 'r1'}"])[0]

@@ -236,10 +236,10 @@ def test_recommendation_config_checks():
     assert load_config("movielens_ncf", []).model.objective == "implicit"
     with pytest.raises(ConfigError, match="'model.arch': task=recommendation takes mf or ncf, got 'resnet18'"):
         load_config("movielens", ["model.arch=resnet18"])
-    with pytest.raises(ConfigError, match="needs optim.optimizer=sgd or adagrad"):
+    with pytest.raises(ConfigError, match="needs optim.name=sgd or adagrad"):
         load_config("movielens", ["model.sparse_embeddings=true"])
     with pytest.raises(ConfigError, match="needs optim.weight_decay=0"):
-        load_config("movielens", ["model.sparse_embeddings=true", "optim.optimizer=sgd", "optim.weight_decay=0.1"])
+        load_config("movielens", ["model.sparse_embeddings=true", "optim.name=sgd", "optim.weight_decay=0.1"])
     with pytest.raises(ConfigError, match="'model.mlp_layers'"):
         load_config("movielens_ncf", ["model.mlp_layers=64,x"])
     with pytest.raises(ConfigError, match="'data.split_fraction'"):
