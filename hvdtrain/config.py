@@ -60,6 +60,10 @@ class DataConfig:
     """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
     index_cache: bool = True
     """Cache the file list of data.dir under $HVDTRAIN_CACHE (default ~/.cache/hvdtrain); false = scan at every start."""
+    format: Literal["auto", "folder", "shards"] = "auto"
+    """folder = an ImageFolder; shards = tar shards from hvdtrain prepare (docs/data.md); auto = shards when data.dir holds a manifest.json or is a URL (s3://...)."""
+    shuffle_buffer: int = 1000
+    """Shards: records each loader worker shuffles in its seeded buffer (more = better mixing, more memory)."""
 
 
 @dataclass
@@ -271,6 +275,7 @@ def validate(cfg: Config) -> None:
         "runtime.stats_interval": cfg.runtime.stats_interval,
         "dist.stall_warning_seconds": cfg.dist.stall_warning_seconds,
         "dist.stall_shutdown_seconds": cfg.dist.stall_shutdown_seconds,
+        "data.shuffle_buffer": cfg.data.shuffle_buffer,
     }
     for key, value in non_negative.items():
         if value < 0:

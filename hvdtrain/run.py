@@ -75,6 +75,8 @@ def setup(cfg: Config) -> Run:
     schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
     amp_dtype, scaler = build_scaler(cfg, device)
     state = RunState(model, build_optimizer(cfg, model, schedule, device), scaler)
+    for name, component in loaders.state.items():  # e.g. the shard loader's layout of the epoch
+        state.register(name, component)
     settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                             clip_grad_norm=cfg.optim.clip_grad_norm,
                             backward_passes_per_step=cfg.train.backward_passes_per_step,
