@@ -111,11 +111,6 @@ def remote_error(root: str, error: Exception) -> DataError:
             or "connect" in text.lower():
         return DataError(f"cannot reach the object store at {endpoint} for {root}: check AWS_ENDPOINT_URL and "
                          f"the network ({name}: {text})")
-    if isinstance(error, FileNotFoundError) and "bucket" in text.lower():
-        bucket = root.split("://", 1)[1].split("/", 1)[0]
-        return DataError(f"bucket '{bucket}' does not exist at {endpoint} (data.dir={root}); create it or fix data.dir")
-    if isinstance(error, FileNotFoundError):
-        return DataError(f"no {MANIFEST} under data.dir={root}: upload the output of hvdtrain prepare there")
     if isinstance(error, PermissionError):
         return DataError(f"access to {root} denied ({text}): check the credentials' permissions")
     return DataError(f"cannot read {join(root, MANIFEST)} ({name}: {text})")
@@ -185,16 +180,18 @@ def read_manifest(root: str) -> Manifest:
 
 def bucket_or_manifest(root: str, error: FileNotFoundError) -> DataError:
     """A missing manifest in an existing bucket, or a missing bucket."""
+    import os
+
+    protocol, rest = root.split("://", 1)
+    bucket = rest.split("/", 1)[0]
     try:
-        fsspec = require_fsspec(root)
-        protocol, rest = root.split("://", 1)
-        fs = fsspec.filesystem(protocol)
-        fs.ls(f"{protocol}://{rest.split('/', 1)[0]}")
+        require_fsspec(root).filesystem(protocol).ls(f"{protocol}://{bucket}")
     except FileNotFoundError:
-        return remote_error(root, FileNotFoundError(f"the bucket does not exist: {error}"))
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
+        return DataError(f"bucket '{bucket}' does not exist at {endpoint} (data.dir={root}); create it or fix data.dir")
     except Exception as other:
         return remote_error(root, other)
-    return remote_error(root, error)
+    return DataError(f"no {MANIFEST} under data.dir={root}: upload the output of hvdtrain prepare there")
 
 
 # --- the epoch's order, from counts alone --------------------------------------------------------
@@ -294,7 +291,7 @@ def remaining_sequence(split: Split, segments: list[Segment], consumed: list[int
 
 # --- reading -------------------------------------------------------------------------------------
 
-def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes]]:
+def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes, int | None]]:
     """(position, key, image extension, image bytes) of records ``[first, end)`` of one shard; a
     record's label follows as its ``.cls`` member. Streams the file once, front to back."""
     with open_binary(path) as handle, tarfile.open(fileobj=handle, mode="r|") as tar:
