@@ -342,8 +342,8 @@ class ShardStream(IterableDataset):
     """One rank's batches of a split, as collated (uint8 images, labels, bad records) tuples.
 
     ``set_epoch(epoch, start)`` chooses the epoch and the samples all ranks consumed so far; the
-    DataLoader (batch_size=None, workers not persistent, so that each epoch's workers get this
-    object as it is) runs one copy per worker. Also the state component ``shard_loader``.
+    DataLoader (batch_size=None) runs one copy per worker, which reads that position from shared
+    memory when its epoch begins. Also the state component ``shard_loader``.
     """
 
     def __init__(self, manifest: Manifest, split: str, rank: int, world: int, workers: int, batch: int,
@@ -360,10 +360,35 @@ class ShardStream(IterableDataset):
         self.batches_taken = 0          # batches the trainer took since set_epoch (main process)
         self.pending: dict[str, Any] | None = None
         self.notes: list[str] = []
+        # Persistent loader workers hold their own copy of this object; the position of each epoch
+        # reaches them through this shared-memory buffer (JSON), written by set_epoch.
+        self.shared = torch.zeros(1 << 16, dtype=torch.uint8).share_memory_()
+        self.publish()
+
+    def publish(self) -> None:
+        text = json.dumps({"epoch": self.epoch, "segments": [s.as_list() for s in self.segments],
+                           "consumed": self.consumed, "skip": self.skip}).encode()
+        if len(text) + 4 > len(self.shared):
+            raise DataError("shard loader position too long (more than a few hundred resumes in one epoch)")
+        self.shared[:4] = torch.tensor(list(len(text).to_bytes(4, "little")), dtype=torch.uint8)
+        self.shared[4:4 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+
+    def receive(self) -> None:
+        """In a loader worker: the position the training process published last."""
+        length = int.from_bytes(bytes(self.shared[:4].tolist()), "little")
+        state = json.loads(bytes(self.shared[4:4 + length].numpy()).decode())
+        self.epoch, self.consumed, self.skip = state["epoch"], state["consumed"], state["skip"]
+        self.segments = [Segment(*entry) for entry in state["segments"]]
 
     # -- position -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Start ``epoch`` after ``start`` samples consumed by all ranks (a multiple of a global batch)."""
+        try:
+            self.place(epoch, start)
+        finally:
+            self.publish()
+
+    def place(self, epoch: int, start: int) -> None:
         pending, self.pending = self.pending, None
         self.epoch, self.batches_taken = epoch, 0
         fresh = Segment(self.world, self.workers, self.batch, 0, self.full_quota)
@@ -439,6 +464,8 @@ class ShardStream(IterableDataset):
         return part, emit, [self.batch] * (len(emit) // self.batch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        if get_worker_info() is not None:
+            self.receive()
         read, emit, sizes = self.plan()
         records = read_records(self.manifest.root, self.split, read, set(emit.tolist()))
         held: dict[int, tuple[str, bytes, int]] = {}
@@ -521,9 +548,6 @@ def shard_loaders(manifest: Manifest, rank: int, world: int, batch: int, train_t
                   kwargs: dict, make_loader: Callable) -> tuple[ShardLoader, ShardLoader, ShardStream]:
     """The training and validation loaders of one rank, and the training stream (its position)."""
     workers = kwargs.get("num_workers", 0)
-    kwargs = {key: value for key, value in kwargs.items() if key != "persistent_workers"}
-    if workers == 0:
-        kwargs.pop("prefetch_factor", None)
     train = ShardStream(manifest, "train", rank, world, workers, batch, train_transform, seed, shuffle_buffer, True)
     val = ShardStream(manifest, "val", rank, world, workers, batch, val_transform, seed, 0, False)
     return (ShardLoader(make_loader(train, batch_size=None, **kwargs), train, fail),
