@@ -293,8 +293,8 @@ def remaining_sequence(split: Split, segments: list[Segment], consumed: list[int
 
 def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes, int | None]]:
     """(position, key, image extension, image bytes) of records ``[first, end)`` of one shard; a
-    record's label follows as its ``.cls`` member. Streams the file once, front to back."""
-    with open_binary(path) as handle, tarfile.open(fileobj=handle, mode="r|") as tar:
+    record's label is its ``.cls`` member. Reads the file front to back, seeking over skipped records."""
+    with open_binary(path) as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
         position, key, image, ext, label = -1, None, None, "", None
         for member in tar:
             base = member.name.rsplit("/", 1)[-1]
@@ -514,7 +514,9 @@ class ShardStream(IterableDataset):
         if not data:
             return None, "no image member"
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, self.epoch, record))
+            # The CPU generator alone: torch.manual_seed also queues seeds for CUDA, MTIA and XPU,
+            # formatting a stack trace for each, which costs more than decoding a small image.
+            torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, record))
             try:
                 return self.transform(data), ""
             except BadImage as error:

@@ -152,9 +152,9 @@ def test_a_mistyped_key_suggests_the_nearest(override, suggestion, capsys, no_tr
 
 
 def test_a_key_with_nothing_near_lists_the_valid_keys_only(capsys):
-    assert cli.main(["data.path=/x"]) == 2
+    assert cli.main(["data.location=/x"]) == 2
     message = one_error_line(capsys)
-    assert message.startswith("unknown config key 'data.path' (valid keys in 'data': augment, dir, ")
+    assert message.startswith("unknown config key 'data.location' (valid keys in 'data': augment, dir, ")
     assert "did you mean" not in message
 
 
