@@ -10,7 +10,13 @@ setup(
     # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
     install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
                       "psutil"],
-    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"], "test": ["pytest==9.2.0"],
+    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
+                    "test": ["pytest==9.2.0",
+                             # tests/*/test_shards.py: shards read back by webdataset; S3 via a moto server
+                             "webdataset==1.0.2", "moto[server]==5.2.5", "fsspec==2026.9.0", "s3fs==2026.9.0",
+                             "aiobotocore==3.10.0"],
+                    # data.dir=s3://bucket/prefix (and other fsspec URLs) for shards
+                    "s3": ["fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
                     "gpu": ["nvidia-ml-py==13.615.71"]},
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
