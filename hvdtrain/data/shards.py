@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 import tarfile
 from dataclasses import dataclass
@@ -208,19 +207,19 @@ def epoch_sequence(split: Split, seed: int, epoch: int, shuffle: bool = True) ->
 
 
 def buffer_order(ids: np.ndarray, size: int, seed: int) -> np.ndarray:
-    """The order a shuffle buffer of ``size`` records emits ``ids`` in (webdataset's algorithm)."""
+    """The order a shuffle buffer of ``size`` records emits ``ids`` in (webdataset's algorithm:
+    fill the buffer, then emit a random slot and put the next record there; drain it shuffled)."""
     if size <= 1 or len(ids) <= 1:
         return ids.copy()
-    rng = random.Random(seed)
-    buffer = list(ids[:size])
-    out = []
-    for value in ids[size:].tolist():
-        slot = rng.randrange(len(buffer))
-        out.append(buffer[slot])
+    rng = np.random.Generator(np.random.PCG64(seed))
+    buffer = ids[:size].tolist()
+    incoming = ids[size:].tolist()
+    slots = rng.integers(0, len(buffer), len(incoming)).tolist()
+    out = [0] * len(incoming)
+    for at, (slot, value) in enumerate(zip(slots, incoming)):
+        out[at] = buffer[slot]
         buffer[slot] = value
-    rng.shuffle(buffer)
-    out.extend(buffer)
-    return np.array(out, dtype=np.int64)
+    return np.concatenate([np.array(out, dtype=np.int64), rng.permutation(np.array(buffer, dtype=np.int64))])
 
 
 def fit(chunk: np.ndarray, length: int, fallback: np.ndarray) -> np.ndarray:
