@@ -412,6 +412,8 @@ class ShardStream(IterableDataset):
                           f"none seen twice, {max(0, left - quota * self.batch * self.world)} left out)")
 
     def state_dict(self) -> dict[str, Any]:
+        if self.pending is not None:  # loaded, not yet applied by set_epoch (the resume broadcast)
+            return dict(self.pending)
         last = self.segments[-1]
         total = last.start + (self.skip + self.batches_taken) * last.world * last.batch
         return {"epoch": self.epoch, "segments": [s.as_list() for s in self.segments],

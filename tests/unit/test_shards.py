@@ -238,6 +238,7 @@ def test_resume_with_other_ranks_sees_no_image_twice(monkeypatch):
         rest = []
         for stream in new:
             stream.load_state_dict(saved)
+            assert stream.state_dict() == saved   # what the resume broadcast sends on
             stream.set_epoch(0, start=start)
             rest.append([r for row in emitted(stream, monkeypatch) for r in row])
         assert len({len(r) for r in rest}) == 1                       # equal steps on every rank
