@@ -12,10 +12,13 @@ setup(
                       "psutil"],
     extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
                     # What only the tests need: the integrations they exercise for real (a real
-                    # `mlflow server`, W&B offline, a two-node Ray cluster), the digits dataset
-                    # (scikit-learn) and timm's models.
+                    # `mlflow server`, W&B offline, a two-node Ray cluster, a moto S3 server, shards read
+                    # back by webdataset), the digits dataset (scikit-learn) and timm's models.
                     "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0", "ray[default]==2.60.0",
-                             "scikit-learn==1.9.1", "timm==1.0.31"],
+                             "scikit-learn==1.9.1", "timm==1.0.31", "webdataset==1.0.2", "moto[server]==5.2.5",
+                             "fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0"],
+                    # data.dir=s3://bucket/prefix (and other fsspec URLs) for shards
+                    "s3": ["fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
                     "gpu": ["nvidia-ml-py==13.615.71"],
                     # timm's models (model.arch=timm/<name>)

@@ -161,6 +161,12 @@ def cmd_bench_data(argv: list[str]) -> int:
     return bench_data_main(argv)
 
 
+def cmd_prepare(argv: list[str]) -> int:
+    from .tools.prepare import main as prepare_main
+
+    return prepare_main(argv)
+
+
 def cmd_bench(argv: list[str]) -> int:
     from .tools.bench import cmd_bench as run
 
@@ -181,7 +187,7 @@ def cmd_report(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "evaluate": cmd_evaluate, "bench": cmd_bench, "bench-data": cmd_bench_data,
-    "report": cmd_report, "doctor": cmd_doctor, "ray": cmd_ray,
+    "report": cmd_report, "doctor": cmd_doctor, "prepare": cmd_prepare, "ray": cmd_ray,
 }
 
 
@@ -192,6 +198,7 @@ SUMMARIES: dict[str, str] = {
     "bench-data": "images per second of the training input pipeline alone",
     "report": "PNG plots and a text summary of a run's metrics.jsonl",
     "doctor": "check that hosts can train together (ssh, versions, Horovod build) and time allreduce",
+    "prepare": "convert an ImageFolder into tar shards (WebDataset format) for training from shards or S3",
     "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
 }
 HELP_WORDS = ("-h", "--help", "help")

@@ -105,6 +105,10 @@ class DataConfig:
     """Progressive resizing: first epoch (0-based) at data.max_res."""
     val_image_size: int = 0
     """Validation center-crop size; 0 = data.image_size (e.g. 224 for a 160-176 px training resolution: FixRes)."""
+    format: Literal["auto", "folder", "shards"] = "auto"
+    """folder = an ImageFolder; shards = tar shards from hvdtrain prepare (docs/data.md); auto = shards when data.dir holds a manifest.json or is a URL (s3://...)."""
+    shuffle_buffer: int = 1000
+    """Shards: records each loader worker shuffles in its seeded buffer (more = better mixing, more memory)."""
 
 
 @dataclass
@@ -119,6 +123,26 @@ class AugmentConfig:
     """random_pad: pixels of zero padding on each side of the image (resized to image_size) before the random crop."""
     hflip: float = 0.5
     """Probability of a horizontal flip; 0 = never (digits, text)."""
+    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment"] = "none"
+    """Augmentation policy on the uint8 training crops (torchvision transforms.v2), seeded per sample."""
+    magnitude: int = 9
+    """RandAugment magnitude (0 .. augment.magnitude_bins - 1)."""
+    num_ops: int = 2
+    """RandAugment: operations per image."""
+    magnitude_bins: int = 31
+    """RandAugment / TrivialAugment: number of magnitude levels."""
+    autoaugment_policy: Literal["imagenet", "cifar10", "svhn"] = "imagenet"
+    """AutoAugment's learned policy."""
+    random_erase: float = 0.0
+    """RandomErasing probability per training image (erased to the mean pixel); 0 = off."""
+    mixup_alpha: float = 0.0
+    """Mixup: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
+    cutmix_alpha: float = 0.0
+    """CutMix: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
+    mix_prob: float = 1.0
+    """Probability that a batch is mixed at all (mixup or cutmix on)."""
+    switch_prob: float = 0.5
+    """With both mixup and cutmix on: probability of cutmix for a mixed batch."""
 
 
 @dataclass
@@ -308,30 +332,6 @@ class EmaConfig:
 
 
 @dataclass
-class AugmentConfig:
-    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment"] = "none"
-    """Augmentation policy on the uint8 training crops (torchvision transforms.v2), seeded per sample."""
-    magnitude: int = 9
-    """RandAugment magnitude (0 .. augment.magnitude_bins - 1)."""
-    num_ops: int = 2
-    """RandAugment: operations per image."""
-    magnitude_bins: int = 31
-    """RandAugment / TrivialAugment: number of magnitude levels."""
-    autoaugment_policy: Literal["imagenet", "cifar10", "svhn"] = "imagenet"
-    """AutoAugment's learned policy."""
-    random_erase: float = 0.0
-    """RandomErasing probability per training image (erased to the mean pixel); 0 = off."""
-    mixup_alpha: float = 0.0
-    """Mixup: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
-    cutmix_alpha: float = 0.0
-    """CutMix: lambda ~ Beta(alpha, alpha), per batch; 0 = off."""
-    mix_prob: float = 1.0
-    """Probability that a batch is mixed at all (mixup or cutmix on)."""
-    switch_prob: float = 0.5
-    """With both mixup and cutmix on: probability of cutmix for a mixed batch."""
-
-
-@dataclass
 class EvalConfig:
     flip: bool = False
     """Test-time augmentation: average the logits of each validation image and its mirror image."""
@@ -358,7 +358,6 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -447,6 +446,7 @@ def validate(cfg: Config) -> None:
         "runtime.stats_interval": cfg.runtime.stats_interval,
         "dist.stall_warning_seconds": cfg.dist.stall_warning_seconds,
         "dist.stall_shutdown_seconds": cfg.dist.stall_shutdown_seconds,
+        "data.shuffle_buffer": cfg.data.shuffle_buffer,
     }
     for key, value in non_negative.items():
         if value < 0:

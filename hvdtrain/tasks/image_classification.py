@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data.demo import ensure_demo_dataset
 from ..data.file_index import FileIndex, shared_index
 from ..data.image_folder import CountingLoader, ImageFiles, collate
@@ -86,6 +86,15 @@ def dataset_root(cfg: Config, env: DataEnv) -> Path:
         return ensure_demo_dataset()
 
 
+def uses_shards(data) -> bool:
+    """data.format=shards, or auto with a manifest.json in data.dir (or a URL)."""
+    if data.format == "auto" and data.dir:
+        from ..data.shards import has_manifest
+
+        return has_manifest(data.dir)
+    return data.format == "shards"
+
+
 class ImageClassification(Task):
     name = "image_classification"
     sum_fields = SUM_FIELDS
@@ -115,6 +124,8 @@ class ImageClassification(Task):
                                    self.num_classes, cfg.seed + 7919 + rank)
             return Loaders(train, val, None, per_rank * world_size, 0)
 
+        if uses_shards(data):
+            return self.shard_loaders(env)
         root = dataset_root(cfg, env)
         train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object, cfg.augment,
                                                        Path(cfg.output.dir), cfg.seed)
@@ -137,6 +148,22 @@ class ImageClassification(Task):
                                         generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
         return Loaders(train, val, train_sampler, len(train_set), len(val_set), val_sampler,
                        note=self.index_note())
+
+    def shard_loaders(self, env: DataEnv) -> Loaders:
+        """Loaders over ``hvdtrain prepare``'s tar shards (data/shards.py), local or at a URL."""
+        from ..data import shards
+
+        cfg, data = self.cfg, self.cfg.data
+        if env.keep_partial_batches:
+            raise ConfigError("elastic.enabled=true does not read shards yet: use data.format=folder")
+        manifest = shards.read_manifest(data.dir)
+        self.num_classes = cfg.model.num_classes or len(manifest.classes)
+        train, val, stream = shards.shard_loaders(
+            manifest, env.rank, env.world_size, cfg.train.batch_size, fast_train_transform(data),
+            fast_eval_transform(data), cfg.seed, data.shuffle_buffer, data.on_bad_file == "fail",
+            loader_kwargs(data, env.pin_memory), DataLoader)
+        return Loaders(train, val, stream, manifest.train.size, manifest.val.size, note=shards.describe(manifest),
+                       state={"shard_loader": stream})
 
     def index_note(self) -> str:
         index = self.index

@@ -113,6 +113,9 @@ def main(argv: list[str]) -> int:
                         "random erasing), interleaved, and print each one's images/s and its ratio to no policy")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="first write N photo-like 500x375 JPEGs (10 classes) into data.dir if it does not exist")
+    parser.add_argument("--shards", action="append", default=[], metavar="DIR",
+                        help="also read these shards (hvdtrain prepare's output of the same images), interleaved; "
+                        "repeatable")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -145,26 +148,36 @@ def main(argv: list[str]) -> int:
             policy_set, _, _ = file_datasets(data, root, augment=augment)
             pipelines[name] = DataLoader(policy_set, batch_size=batch, sampler=FixedOrder(order), drop_last=True,
                                          collate_fn=collate, **kwargs)
+    for number, shard_dir in enumerate(args.shards):
+        pipelines[f"shards{number + 1}"] = shard_batches(shard_dir, cfg)
     cpu = cpu_name()
     print(f"bench-data: {root} ({len(train_set)} train images from {index.source}), crop {data.image_size}, "
           f"batch {batch}, workers {data.workers}, {threads} thread(s), {args.rounds} rounds x {args.batches} "
           f"batches; CPU {cpu}, {len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.2f}", flush=True)
     iterators = {name: iter(loader) for name, loader in pipelines.items()}
+    opened = count_opens()
     for name, iterator in iterators.items():  # warm-up: worker start, first file reads
         run_round(iterator, args.batches)
     rates: dict[str, list[float]] = {name: [] for name in pipelines}
+    images_read = {name: 0 for name in pipelines}
     totals = {name: [0, 0.0] for name in pipelines}
     for round_index in range(args.rounds):
         names = list(iterators) if round_index % 2 == 0 else list(reversed(iterators))
         for name in names:
             run_round(iterators[name], backlog)
+            before = opened["total"]
             images, seconds = run_round(iterators[name], args.batches)
+            opened[name] += opened["total"] - before
+            images_read[name] += images
             rates[name].append(images / seconds)
             totals[name][0] += images
             totals[name][1] += seconds
         print(f"round {round_index + 1}: " + ", ".join(f"{name} {rates[name][-1]:.1f} img/s" for name in pipelines),
               flush=True)
     overall = {name: images / seconds for name, (images, seconds) in totals.items()}
+    for name in pipelines:
+        if name != "reference" and images_read[name]:
+            print(f"{name}: files_opened_per_image={opened[name] / images_read[name]:.4f}")
     if args.compare:
         ratios = [a / b for a, b in zip(rates["hvdtrain"], rates["reference"])]
         print(f"reference_images_per_sec={overall['reference']:.1f}")
@@ -176,6 +189,10 @@ def main(argv: list[str]) -> int:
             if name.startswith("policy "):
                 print(f"{name}: {overall[name]:.1f} img/s per {threads} thread(s) ({overall[name] / base:.2f} of "
                       f"the configured pipeline)", flush=True)
+    for name, shard_dir in zip([n for n in pipelines if n.startswith("shards")], args.shards):
+        print(f"{name}_images_per_sec={overall[name]:.1f} ({shard_dir}; ratio to hvdtrain on the folder "
+              f"{overall[name] / overall['hvdtrain']:.2f}"
+              + (f", to the reference {overall[name] / overall['reference']:.2f}" if args.compare else "") + ")")
     print(f"images_per_sec={overall['hvdtrain']:.1f}", flush=True)
     return 0
 
@@ -195,3 +212,45 @@ def cpu_name() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def shard_batches(shard_dir: str, cfg) -> Iterator:
+    """Endless training batches of one rank reading ``shard_dir`` (epoch after epoch), like training."""
+    from ..data import shards
+    from ..data.transforms import fast_train_transform
+
+    manifest = shards.read_manifest(shard_dir)
+    kwargs = loader_kwargs(cfg.data, pin_memory=False)
+    loader, _, stream = shards.shard_loaders(manifest, 0, 1, cfg.train.batch_size, fast_train_transform(cfg.data),
+                                             fast_train_transform(cfg.data), cfg.seed, cfg.data.shuffle_buffer,
+                                             False, kwargs, DataLoader)
+
+    class Epochs:
+        def __iter__(self) -> Iterator:
+            epoch = 0
+            while True:
+                stream.set_epoch(epoch)
+                yield from loader
+                epoch += 1
+
+    return Epochs()
+
+
+def count_opens() -> dict:
+    """Counts the files the in-process pipelines open (with data.workers=0): per image for the folder,
+    per shard for shards. ``total`` grows with every open."""
+    import collections
+
+    from ..data import image_folder, shards
+
+    counter: dict = collections.defaultdict(int)
+
+    def counting(function):
+        def wrapper(path):
+            counter["total"] += 1
+            return function(path)
+        return wrapper
+
+    image_folder.read_file = counting(image_folder.read_file)
+    shards.open_binary = counting(shards.open_binary)
+    return counter

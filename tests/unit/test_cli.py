@@ -13,7 +13,7 @@ import yaml
 from hvdtrain import cli
 from hvdtrain.config import load_config
 
-COMMANDS = ["train", "evaluate", "bench", "bench-data", "report", "doctor", "ray"]
+COMMANDS = ["train", "evaluate", "bench", "bench-data", "report", "doctor", "prepare", "ray"]
 
 
 @pytest.fixture(autouse=True)

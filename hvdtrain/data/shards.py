@@ -1,0 +1,566 @@
+"""Training and validation from WebDataset tar shards (``hvdtrain prepare``'s output), local or remote.
+
+Sequential reads of a few hundred large files instead of random reads of a million small ones:
+a rank opens one file per shard it reads, and a URL (``s3://bucket/prefix``, any fsspec URL)
+works like a folder. The manifest's image counts make the whole epoch's sample order a pure
+function of (seed, epoch, ranks, loader workers, batch size), computed from counts alone before
+a byte is read; readers then stream their shards and emit records in that order.
+
+Training, one epoch (a *segment*; see resume below):
+
+1. the shards are permuted by (seed, epoch); their records, concatenated in that order, are cut
+   into one contiguous chunk per rank (sizes differ by at most one record);
+2. every rank runs the same number of batches, ``ceil(N / ranks) // batch`` (what the folder
+   loader's padded sampler gives). A rank whose chunk is short makes up the shortfall by repeating
+   the first records of its own chunk; records beyond that count (fewer than one batch per rank)
+   are left out of this epoch, as ``drop_last`` leaves out the folder loader's last partial batch;
+3. a rank's chunk is cut into one contiguous part per loader worker, worker ``w`` producing the
+   rank's batches ``w, w + K, w + 2K, ...`` (the DataLoader takes batches from its workers in turn,
+   so the rank's batch order does not depend on timing);
+4. each worker shuffles its part through a buffer of ``data.shuffle_buffer`` records (the
+   webdataset algorithm: fill the buffer, then emit a random slot and refill it), seeded by (seed,
+   epoch, segment, rank, worker). Each record's augmentation is seeded by (seed, epoch, record).
+
+Resume: the position is the epoch and the samples consumed (``RunState``'s position; this
+loader's component in the state, ``shard_loader``, adds the layout each part of the epoch was
+read with). With the same number of ranks a resumed rank computes its stream again and skips the
+batches already consumed, without decoding them and without opening shards that hold none of the
+rest, so parameters continue bitwise. With another number of ranks, the records the old ranks
+consumed are computed from counts, removed, and the rest of the epoch (in the epoch's shard order)
+is laid out again over the new ranks as a new segment: no image is seen twice, and fewer than one
+global batch is left out (the steps already counted for the rounded-down step); the run says so.
+
+Validation: rank ``r`` of ``n`` reads records ``[r N / n, (r + 1) N / n)`` of the manifest order,
+split contiguously over its workers: every image exactly once for any number of ranks.
+
+Undecodable records: in training, replaced by the first decodable record of the same batch (with
+that record's label and the bad record's augmentation seed), so batches keep their size; in
+validation, dropped. Either way named, counted (``bad_files``), or fatal with
+``data.on_bad_file=fail`` (image_folder.CountingLoader).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tarfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .decode import BadImage, Transform
+from .file_index import DataError
+from .image_folder import BadFileError, CountingLoader, collate
+from .sampler import sample_seed
+
+MANIFEST = "manifest.json"
+FORMAT = "hvdtrain-shards-v1"
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
+
+
+# --- where the shards are -------------------------------------------------------------------------
+
+def is_url(root: str) -> bool:
+    return "://" in root
+
+
+def join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def open_binary(path: str):
+    """A local file, or a remote one through fsspec (s3fs for s3://) with short connection timeouts
+    so that an unreachable endpoint is reported in seconds, not after minutes of retries."""
+    if not is_url(path):
+        return open(path, "rb")
+    fsspec = require_fsspec(path)
+    options: dict[str, Any] = {}
+    if path.startswith(("s3://", "s3a://")):
+        options = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}}
+    return fsspec.open(path, "rb", **options).open()
+
+
+def require_fsspec(path: str):
+    try:
+        import fsspec
+
+        if path.startswith(("s3://", "s3a://")):
+            import s3fs  # noqa: F401
+    except ImportError:
+        raise DataError(f"data.dir={path} needs fsspec and s3fs: pip install -e '.[s3]' "
+                        f"(or make setup EXTRAS=s3)") from None
+    return fsspec
+
+
+def remote_error(root: str, error: Exception) -> DataError:
+    """One line for what goes wrong with object storage before training starts."""
+    import os
+
+    name = type(error).__name__
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3") or "the AWS default endpoint"
+    text = str(error).splitlines()[0] if str(error) else name
+    if name in ("NoCredentialsError", "PartialCredentialsError") or "credentials" in text.lower():
+        return DataError(f"no usable credentials for {root}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                         f"(or AWS_PROFILE) in the environment of every rank ({text})")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionError", "ClientConnectorError") \
+            or "connect" in text.lower():
+        return DataError(f"cannot reach the object store at {endpoint} for {root}: check AWS_ENDPOINT_URL and "
+                         f"the network ({name}: {text})")
+    if isinstance(error, PermissionError):
+        return DataError(f"access to {root} denied ({text}): check the credentials' permissions")
+    return DataError(f"cannot read {join(root, MANIFEST)} ({name}: {text})")
+
+
+# --- the manifest ---------------------------------------------------------------------------------
+
+@dataclass
+class Split:
+    names: list[str]
+    counts: np.ndarray   # images per shard
+    offsets: np.ndarray  # record id of each shard's first record (len(names) + 1 entries)
+
+    @property
+    def size(self) -> int:
+        return int(self.offsets[-1])
+
+
+@dataclass
+class Manifest:
+    root: str
+    classes: list[str]
+    train: Split
+    val: Split
+
+
+def has_manifest(root: str) -> bool:
+    """Whether ``data.dir`` holds shards (data.format=auto); a URL always means shards."""
+    import os
+
+    return is_url(root) or os.path.isfile(os.path.join(os.path.expanduser(root), MANIFEST))
+
+
+def read_manifest(root: str) -> Manifest:
+    """The manifest of ``root`` (a folder or URL); one-line DataErrors for everything that fails."""
+    if not is_url(root):
+        import os
+
+        root = os.path.expanduser(root)
+    path = join(root, MANIFEST)
+    try:
+        with open_binary(path) as handle:
+            payload = json.loads(handle.read().decode("utf-8"))
+    except DataError:
+        raise
+    except FileNotFoundError as error:
+        if not is_url(root):
+            raise DataError(f"no {MANIFEST} in data.dir={root} (prepare shards with python -m hvdtrain prepare, "
+                            f"or set data.format=folder)") from None
+        raise bucket_or_manifest(root, error) from None
+    except ValueError as error:
+        raise DataError(f"{path} is not valid JSON ({error}); prepare the shards again") from None
+    except Exception as error:  # botocore and aiohttp errors: no common base class worth importing
+        if not is_url(root):
+            raise DataError(f"cannot read {path} ({type(error).__name__}: {error})") from None
+        raise remote_error(root, error) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise DataError(f"{path} is not an hvdtrain shard manifest ({FORMAT}); prepare the shards again")
+
+    def split(name: str) -> Split:
+        shards = payload["splits"][name]["shards"]
+        counts = np.array([shard["images"] for shard in shards], dtype=np.int64)
+        return Split([shard["name"] for shard in shards], counts, np.concatenate([[0], np.cumsum(counts)]))
+
+    return Manifest(root, list(payload["classes"]), split("train"), split("val"))
+
+
+def bucket_or_manifest(root: str, error: FileNotFoundError) -> DataError:
+    """A missing manifest in an existing bucket, or a missing bucket."""
+    import os
+
+    protocol, rest = root.split("://", 1)
+    bucket = rest.split("/", 1)[0]
+    try:
+        require_fsspec(root).filesystem(protocol).ls(f"{protocol}://{bucket}")
+    except FileNotFoundError:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
+        return DataError(f"bucket '{bucket}' does not exist at {endpoint} (data.dir={root}); create it or fix data.dir")
+    except Exception as other:
+        return remote_error(root, other)
+    return DataError(f"no {MANIFEST} under data.dir={root}: upload the output of hvdtrain prepare there")
+
+
+# --- the epoch's order, from counts alone --------------------------------------------------------
+
+def epoch_sequence(split: Split, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Every record id of the split, shard by shard, the shards permuted by (seed, epoch)."""
+    order = np.arange(len(split.names))
+    if shuffle:
+        generator = torch.Generator().manual_seed(seed * 1000003 + epoch)
+        order = torch.randperm(len(split.names), generator=generator).numpy()
+    if not len(order):
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(split.offsets[s], split.offsets[s + 1]) for s in order])
+
+
+def buffer_order(ids: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """The order a shuffle buffer of ``size`` records emits ``ids`` in (webdataset's algorithm:
+    fill the buffer, then emit a random slot and put the next record there; drain it shuffled)."""
+    if size <= 1 or len(ids) <= 1:
+        return ids.copy()
+    rng = np.random.Generator(np.random.PCG64(seed))
+    buffer = ids[:size].tolist()
+    incoming = ids[size:].tolist()
+    slots = rng.integers(0, len(buffer), len(incoming)).tolist()
+    out = [0] * len(incoming)
+    for at, (slot, value) in enumerate(zip(slots, incoming)):
+        out[at] = buffer[slot]
+        buffer[slot] = value
+    return np.concatenate([np.array(out, dtype=np.int64), rng.permutation(np.array(buffer, dtype=np.int64))])
+
+
+def fit(chunk: np.ndarray, length: int, fallback: np.ndarray) -> np.ndarray:
+    """``chunk`` cut to ``length`` records, or extended by repeating its own first records."""
+    if len(chunk) >= length:
+        return chunk[:length]
+    source = chunk if len(chunk) else fallback
+    return np.concatenate([chunk, np.resize(source, length - len(chunk))])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of an epoch read by one set of ranks: from ``start`` samples consumed (all ranks
+    together) on, ``world`` ranks of ``workers`` loader workers and ``batch`` images per batch
+    each run ``quota`` batches (at most)."""
+
+    world: int
+    workers: int
+    batch: int
+    start: int
+    quota: int
+
+    def as_list(self) -> list[int]:
+        return [self.world, self.workers, self.batch, self.start, self.quota]
+
+
+def worker_parts(sequence: np.ndarray, segment: Segment, rank: int) -> list[np.ndarray]:
+    """Rank ``rank``'s chunk of ``sequence``, fitted to its quota and cut into its workers' parts."""
+    chunk = np.array_split(sequence, segment.world)[rank]
+    chunk = fit(chunk, segment.quota * segment.batch, sequence)
+    parts, at = [], 0
+    for worker in range(segment.workers):
+        length = len(range(worker, segment.quota, segment.workers)) * segment.batch
+        parts.append(chunk[at:at + length])
+        at += length
+    return parts
+
+
+def part_seed(seed: int, epoch: int, index: int, rank: int, worker: int) -> int:
+    return sample_seed(seed, epoch * 4099 + index, rank * 65537 + worker + 1)
+
+
+def rank_stream(sequence: np.ndarray, segment: Segment, rank: int, shuffle_buffer: int, seed: int,
+                epoch: int, index: int) -> list[np.ndarray]:
+    """Each worker's record ids of rank ``rank`` in emission order (worker w: batches w, w+K, ...)."""
+    return [buffer_order(part, shuffle_buffer, part_seed(seed, epoch, index, rank, worker))
+            for worker, part in enumerate(worker_parts(sequence, segment, rank))]
+
+
+def batches_of(orders: list[np.ndarray], workers: int, batch: int, count: int) -> np.ndarray:
+    """The first ``count`` batches of a rank's stream, concatenated."""
+    rows = [orders[j % workers][(j // workers) * batch:(j // workers + 1) * batch] for j in range(count)]
+    return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+
+
+def remaining_sequence(split: Split, segments: list[Segment], consumed: list[int], shuffle_buffer: int,
+                       seed: int, epoch: int) -> np.ndarray:
+    """The epoch's records not yet consumed after the closed ``segments`` (``consumed[k]``: samples
+    all ranks consumed in segment k), in the epoch's shard order."""
+    sequence = epoch_sequence(split, seed, epoch)
+    for index, (segment, used) in enumerate(zip(segments, consumed)):
+        per_rank = used // segment.world // segment.batch
+        seen = [batches_of(rank_stream(sequence, segment, rank, shuffle_buffer, seed, epoch, index),
+                           segment.workers, segment.batch, per_rank) for rank in range(segment.world)]
+        sequence = sequence[~np.isin(sequence, np.concatenate(seen))]
+    return sequence
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes, int | None]]:
+    """(position, key, image extension, image bytes) of records ``[first, end)`` of one shard; a
+    record's label is its ``.cls`` member. Reads the file front to back, seeking over skipped records."""
+    with open_binary(path) as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
+        position, key, image, ext, label = -1, None, None, "", None
+        for member in tar:
+            base = member.name.rsplit("/", 1)[-1]
+            member_key, _, member_ext = base.partition(".")
+            if member_key != key:
+                if key is not None and first <= position < end:
+                    yield position, key, ext, image if image is not None else b"", label
+                position += 1
+                if position >= end:
+                    return
+                key, image, ext, label = member_key, None, "", None
+            if position < first or not member.isfile():
+                continue
+            data = tar.extractfile(member).read()
+            if member_ext.lower() in IMAGE_EXTENSIONS:
+                image, ext = data, member_ext
+            elif member_ext == "cls":
+                label = int(data.decode().strip())
+        if key is not None and first <= position < end:
+            yield position, key, ext, image if image is not None else b"", label
+
+
+def read_records(root: str, split: Split, ids: np.ndarray, wanted: set[int]) -> Iterator[tuple[int, str, bytes, int]]:
+    """(record id, name for messages, image bytes, label) for the ``wanted`` records among ``ids``
+    (runs of consecutive records per shard, as epoch_sequence makes them), in that order."""
+    if not len(ids):
+        return
+    shards = np.searchsorted(split.offsets, ids, side="right") - 1
+    breaks = np.flatnonzero(np.diff(shards) != 0) + 1
+    for run in np.split(np.arange(len(ids)), breaks):
+        shard = int(shards[run[0]])
+        run_ids = ids[run]
+        if not any(int(i) in wanted for i in run_ids):
+            continue  # all consumed: not even opened
+        base = int(split.offsets[shard])
+        first, end = int(run_ids.min()) - base, int(run_ids.max()) - base + 1
+        name = join(root, split.names[shard])
+        for position, key, _, data, label in shard_records(name, first, end):
+            record = base + position
+            if record in wanted:
+                yield record, f"{name}:{key}", data, -1 if label is None else label
+
+
+class ShardStream(IterableDataset):
+    """One rank's batches of a split, as collated (uint8 images, labels, bad records) tuples.
+
+    ``set_epoch(epoch, start)`` chooses the epoch and the samples all ranks consumed so far; the
+    DataLoader (batch_size=None) runs one copy per worker, which reads that position from shared
+    memory when its epoch begins. Also the state component ``shard_loader``.
+    """
+
+    def __init__(self, manifest: Manifest, split: str, rank: int, world: int, workers: int, batch: int,
+                 transform: Transform, seed: int, shuffle_buffer: int, training: bool):
+        self.manifest, self.split_name = manifest, split
+        self.split: Split = getattr(manifest, split)
+        self.rank, self.world, self.workers, self.batch = rank, world, max(1, workers), batch
+        self.transform, self.seed, self.shuffle_buffer, self.training = transform, seed, shuffle_buffer, training
+        self.epoch = 0
+        self.full_quota = math.ceil(self.split.size / world) // batch if training else 0
+        self.segments: list[Segment] = [Segment(world, self.workers, batch, 0, self.full_quota)]
+        self.consumed: list[int] = []   # samples consumed in each closed segment
+        self.skip = 0                   # batches of the current segment already consumed (resume)
+        self.batches_taken = 0          # batches the trainer took since set_epoch (main process)
+        self.pending: dict[str, Any] | None = None
+        self.notes: list[str] = []
+        # Persistent loader workers hold their own copy of this object; the position of each epoch
+        # reaches them through this shared-memory buffer (JSON), written by set_epoch.
+        self.shared = torch.zeros(1 << 16, dtype=torch.uint8).share_memory_()
+        self.publish()
+
+    def publish(self) -> None:
+        text = json.dumps({"epoch": self.epoch, "segments": [s.as_list() for s in self.segments],
+                           "consumed": self.consumed, "skip": self.skip}).encode()
+        if len(text) + 4 > len(self.shared):
+            raise DataError("shard loader position too long (more than a few hundred resumes in one epoch)")
+        self.shared[:4] = torch.tensor(list(len(text).to_bytes(4, "little")), dtype=torch.uint8)
+        self.shared[4:4 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+
+    def receive(self) -> None:
+        """In a loader worker: the position the training process published last."""
+        length = int.from_bytes(bytes(self.shared[:4].tolist()), "little")
+        state = json.loads(bytes(self.shared[4:4 + length].numpy()).decode())
+        self.epoch, self.consumed, self.skip = state["epoch"], state["consumed"], state["skip"]
+        self.segments = [Segment(*entry) for entry in state["segments"]]
+
+    # -- position -------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Start ``epoch`` after ``start`` samples consumed by all ranks (a multiple of a global batch)."""
+        try:
+            self.place(epoch, start)
+        finally:
+            self.publish()
+
+    def place(self, epoch: int, start: int) -> None:
+        pending, self.pending = self.pending, None
+        self.epoch, self.batches_taken = epoch, 0
+        fresh = Segment(self.world, self.workers, self.batch, 0, self.full_quota)
+        self.segments, self.consumed, self.skip = [fresh], [], start // (self.world * self.batch)
+        if not (pending and pending["epoch"] == epoch and start and pending["segments"]):
+            return
+        segments = [Segment(*entry) for entry in pending["segments"]]
+        last = segments[-1]
+        if (last.world, last.workers, last.batch) == (self.world, self.workers, self.batch):
+            self.segments, self.consumed = segments, list(pending["consumed"])
+            self.skip = (start - last.start) // (self.world * self.batch)
+            return
+        # Another layout: the consumed records are taken out and the rest laid out again.
+        consumed = list(pending["consumed"]) + [pending["total"] - last.start]
+        quota = self.full_quota - start // (self.world * self.batch)
+        self.segments = segments + [Segment(self.world, self.workers, self.batch, pending["total"], quota)]
+        self.consumed, self.skip = consumed, 0
+        left = self.split.size - pending["total"]
+        self.notes.append(f"shards: the checkpoint's epoch was read by {last.world} ranks x {last.workers} workers "
+                          f"x {last.batch}, this job has {self.world} x {self.workers} x {self.batch}: the "
+                          f"{left} images not yet seen in epoch {epoch + 1} are dealt again ({quota} steps; "
+                          f"none seen twice, {max(0, left - quota * self.batch * self.world)} left out)")
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.pending is not None:  # loaded, not yet applied by set_epoch (the resume broadcast)
+            return dict(self.pending)
+        last = self.segments[-1]
+        total = last.start + (self.skip + self.batches_taken) * last.world * last.batch
+        return {"epoch": self.epoch, "segments": [s.as_list() for s in self.segments],
+                "consumed": list(self.consumed), "total": total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state) if state.get("segments") else None
+
+    def __len__(self) -> int:
+        if self.training:
+            return max(0, self.segments[-1].quota - self.skip)
+        start, end = self.val_range()
+        return math.ceil((end - start) / self.batch)
+
+    # -- the records of this worker --------------------------------------------------------------
+    def val_range(self) -> tuple[int, int]:
+        size = self.split.size
+        return self.rank * size // self.world, (self.rank + 1) * size // self.world
+
+    def worker(self) -> tuple[int, int]:
+        info = get_worker_info()
+        if info is None:
+            return 0, 1
+        if info.num_workers != self.workers:
+            raise DataError(f"shard loader built for {self.workers} workers runs with {info.num_workers}")
+        return info.id, info.num_workers
+
+    def plan(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """(ids to read in order, ids to emit in order, per-batch sizes) for this worker."""
+        worker, workers = self.worker()
+        if not self.training:
+            start, end = self.val_range()
+            batches = np.array_split(np.arange(math.ceil((end - start) / self.batch)), workers)[worker]
+            if not len(batches):
+                return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+            first, last = start + batches[0] * self.batch, min(end, start + (batches[-1] + 1) * self.batch)
+            ids = np.arange(first, last, dtype=np.int64)
+            return ids, ids, [min(self.batch, last - first - i * self.batch) for i in range(len(batches))]
+        segment, index = self.segments[-1], len(self.segments) - 1
+        sequence = remaining_sequence(self.split, self.segments[:-1], self.consumed, self.shuffle_buffer,
+                                      self.seed, self.epoch)
+        # After a skip of S batches the DataLoader still asks worker 0 first: physical worker p
+        # produces logical worker (S + p) % K's batches, from batch S on.
+        logical = (self.skip + worker) % workers
+        part = worker_parts(sequence, segment, self.rank)[logical]
+        order = buffer_order(part, self.shuffle_buffer, part_seed(self.seed, self.epoch, index, self.rank, logical))
+        first = max(0, -(-(self.skip - logical) // workers))
+        emit = order[first * self.batch:]
+        return part, emit, [self.batch] * (len(emit) // self.batch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        if get_worker_info() is not None:
+            self.receive()
+        read, emit, sizes = self.plan()
+        records = read_records(self.manifest.root, self.split, read, set(emit.tolist()))
+        held: dict[int, tuple[str, bytes, int]] = {}
+        at = 0
+        for size in sizes:
+            items = []
+            for record in emit[at:at + size].tolist():
+                while record not in held:
+                    try:
+                        got, name, data, label = next(records)
+                    except StopIteration:
+                        raise DataError(f"shard data ended before record {record} of {self.split_name}: "
+                                        f"shards changed since manifest.json was written?") from None
+                    held[got] = (name, data, label)
+                items.append((record, *held.pop(record)))
+            at += size
+            yield collate(self.decode_batch(items))
+
+    def decode_batch(self, items: list[tuple[int, str, bytes, int]]) -> list[tuple[torch.Tensor | None, int, list[str]]]:
+        out: list[tuple[torch.Tensor | None, int, list[str]]] = []
+        bad: list[tuple[int, str]] = []
+        for slot, (record, name, data, label) in enumerate(items):
+            image, error = self.decode(record, data, label)
+            if image is None:
+                bad.append((slot, f"{name} ({error})"))
+            out.append((image, label, []))
+        if not bad:
+            return out
+        if not self.training:
+            for slot, text in bad:
+                out[slot] = (None, out[slot][1], [text])
+            return out
+        good = [slot for slot, (image, _, _) in enumerate(out) if image is not None]
+        if not good:
+            raise BadFileError(f"a whole batch of undecodable records, from {bad[0][1]} on: are the shards intact?")
+        donor = good[0]
+        for slot, text in bad:
+            record = items[slot][0]
+            image, _ = self.decode(record, items[donor][2], items[donor][3])
+            out[slot] = (image, items[donor][3], [text])
+        return out
+
+    def decode(self, record: int, data: bytes, label: int) -> tuple[torch.Tensor | None, str]:
+        if label < 0:
+            return None, "no .cls label"
+        if not data:
+            return None, "no image member"
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator alone: torch.manual_seed also queues seeds for CUDA, MTIA and XPU,
+            # formatting a stack trace for each, which costs more than decoding a small image.
+            torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, record))
+            try:
+                return self.transform(data), ""
+            except BadImage as error:
+                return None, str(error)
+
+
+class ShardLoader(CountingLoader):
+    """CountingLoader over a ShardStream's DataLoader that counts the batches the trainer took
+    (the position a checkpoint records) and prints the stream's notes once, on rank 0."""
+
+    def __init__(self, loader, stream: ShardStream, fail: bool):
+        super().__init__(loader, fail)
+        self.stream = stream
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __iter__(self):
+        for note in self.stream.notes:
+            if self.stream.rank == 0:
+                print(f"hvdtrain: {note}", file=sys.stderr, flush=True)
+        self.stream.notes.clear()
+        self.stream.batches_taken = 0
+        for batch in super().__iter__():
+            self.stream.batches_taken += 1
+            yield batch
+
+
+def shard_loaders(manifest: Manifest, rank: int, world: int, batch: int, train_transform: Transform,
+                  val_transform: Transform, seed: int, shuffle_buffer: int, fail: bool,
+                  kwargs: dict, make_loader: Callable) -> tuple[ShardLoader, ShardLoader, ShardStream]:
+    """The training and validation loaders of one rank, and the training stream (its position)."""
+    workers = kwargs.get("num_workers", 0)
+    train = ShardStream(manifest, "train", rank, world, workers, batch, train_transform, seed, shuffle_buffer, True)
+    val = ShardStream(manifest, "val", rank, world, workers, batch, val_transform, seed, 0, False)
+    return (ShardLoader(make_loader(train, batch_size=None, **kwargs), train, fail),
+            ShardLoader(make_loader(val, batch_size=None, **kwargs), val, fail), train)
+
+
+def describe(manifest: Manifest) -> str:
+    return (f"shards of {manifest.root}: {len(manifest.train.names)} train / {len(manifest.val.names)} val "
+            f"shards, one file opened per shard")
+
+
+__all__ = ["Manifest", "ShardStream", "ShardLoader", "read_manifest", "has_manifest", "shard_loaders",
+           "epoch_sequence", "buffer_order", "remaining_sequence", "rank_stream", "batches_of", "Segment"]
