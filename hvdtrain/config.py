@@ -318,6 +318,9 @@ class TrackingConfig:
     """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
     flush_seconds: float = 60.0
     """At the end of the run or on a stop signal, wait at most this long for queued values to be sent and the tracker runs to end."""
+
+
+@dataclass
 class EmaConfig:
     decay: float = 0.0
     """Model EMA: ema = decay * ema + (1 - decay) * weights after the optimizer step; 0 = off (e.g. 0.9998)."""

@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     overall = {name: images / seconds for name, (images, seconds) in totals.items()}
     for name in pipelines:
         if name != "reference" and images_read[name]:
-            print(f"{name}: files_opened_per_image={opened[name] / images_read[name]:.4f}")
+            print(f"files_opened_per_image[{name}]={opened[name] / images_read[name]:.4f}")
     if args.compare:
         ratios = [a / b for a, b in zip(rates["hvdtrain"], rates["reference"])]
         print(f"reference_images_per_sec={overall['reference']:.1f}")
