@@ -96,8 +96,11 @@ fi
 # Run time: what a built venv needs to train and to be reached over ssh (the image's runtime stage).
 runtime_packages=(openmpi-bin openssh-client openssh-server procps iproute2 python3)
 if [[ -n ${HVDTRAIN_RUNTIME_ONLY:-} ]]; then
-    [[ -x $venv/bin/python ]] || die "HVDTRAIN_RUNTIME_ONLY is set but there is no venv at $venv"
+    # The venv's python is a link to the system python3, which this stage has yet to install:
+    # look for the venv itself, then for a python that runs once the packages are in.
+    [[ -f $venv/pyvenv.cfg ]] || die "HVDTRAIN_RUNTIME_ONLY is set but there is no venv at $venv"
     apt_install "${runtime_packages[@]}"
+    [[ -x $venv/bin/python ]] || die "the venv at $venv has no working python after installing ${runtime_packages[*]}"
     out=$(check_build) || { echo "$out" >&2; die "horovodrun --check-build does not show PyTorch, MPI and Gloo"; }
     echo "$out" | sed 's/^/[setup]   /'
     log "done (run-time packages only): $venv"
