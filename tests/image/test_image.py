@@ -103,7 +103,8 @@ def test_two_ranks_train_the_demo_for_an_epoch(root):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     records = [json.loads(line) for line in (root.path / "tmp/run/metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
-    assert [(r["epoch"], r["step"], r["world_size"]) for r in train] == [(0, 3, 2)]
+    assert [(r["epoch"], r["step"]) for r in train] == [(0, 3)]
+    assert "hvdtrain: 2 ranks on 1 host(s) (gloo controller)" in result.stdout + result.stderr
     assert any(r["split"] == "val" for r in records)
     assert (root.path / "tmp/run/checkpoints/last.pt").is_file()
 
@@ -127,7 +128,9 @@ def test_the_image_is_lean_and_keeps_no_ca_or_secret(root):
     assert not list((root.path / "var/lib/apt/lists").glob("*_Packages*"))
     assert not list((root.path / "var/cache/apt/archives").glob("*.deb"))
     assert not list((root.path / "opt").rglob("*.tar.gz"))
-    assert not [p for p in (root.path / "tmp").iterdir() if p.name != "run" and not p.name.startswith("run-")]
+    # (/tmp/run* and torch's compile cache /tmp/torchinductor_root come from the training test above.)
+    assert not [p for p in (root.path / "tmp").iterdir()
+                if p.name != "run" and not p.name.startswith(("run-", "torchinductor_"))]
     # The CA bundle given as a build secret: neither in the history nor in any file outside the venv.
     history = podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", IMAGE)
     assert "BEGIN CERTIFICATE" not in history and "PIP_CERT" not in history
