@@ -81,9 +81,7 @@ def setup(cfg: Config) -> Run:
     schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
     amp_dtype, scaler = build_scaler(cfg, device)
     state = RunState(model, build_optimizer(cfg, model, schedule, device), scaler)
-    for name, component in loaders.state.items():  # e.g. the shard loader's layout of the epoch
-        state.register(name, component)
-    for name, component in task.state_components().items():
+    for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
         state.register(name, component)
     if tracking.enabled(cfg):
         state.register("tracking", tracking.TrackingState())  # the trackers' run ids, carried by checkpoints

@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -75,7 +75,6 @@ class Loaders:
     val_size: int
     val_sampler: ShardedSampler | None = None
     note: str = ""                        # a start-up line about the data (e.g. where the file index came from)
-    state: dict = field(default_factory=dict)  # loader components for RunState.register (e.g. a shard stream's position)
 
     def reshard(self, rank: int, world_size: int) -> None:
         """After the number of ranks changed (elastic training)."""

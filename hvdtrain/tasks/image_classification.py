@@ -106,6 +106,7 @@ class ImageClassification(Task):
         super().__init__(cfg)
         self.num_classes = cfg.model.num_classes or 1000
         self.index: FileIndex | None = None
+        self.shard_stream = None  # the shard loader's position in the epoch (data/shards.py), with data.format=shards
         self.normalizers: dict[tuple, DeviceNormalizer] = {}
         augment = cfg.augment
         self.mix = BatchMix(augment.mixup_alpha, augment.cutmix_alpha, augment.mix_prob, augment.switch_prob,
@@ -159,11 +160,11 @@ class ImageClassification(Task):
         manifest = shards.read_manifest(data.dir)
         self.num_classes = cfg.model.num_classes or len(manifest.classes)
         train, val, stream = shards.shard_loaders(
-            manifest, env.rank, env.world_size, cfg.train.batch_size, fast_train_transform(data),
+            manifest, env.rank, env.world_size, cfg.train.batch_size, fast_train_transform(data, cfg.augment),
             fast_eval_transform(data), cfg.seed, data.shuffle_buffer, data.on_bad_file == "fail",
             loader_kwargs(data, env.pin_memory), DataLoader)
-        return Loaders(train, val, stream, manifest.train.size, manifest.val.size, note=shards.describe(manifest),
-                       state={"shard_loader": stream})
+        self.shard_stream = stream
+        return Loaders(train, val, stream, manifest.train.size, manifest.val.size, note=shards.describe(manifest))
 
     def index_note(self) -> str:
         index = self.index
@@ -222,6 +223,9 @@ class ImageClassification(Task):
         ema = f", ema top1 {val['ema_top1']:.2f}% top5 {val['ema_top5']:.2f}%" if "ema_top1" in val else ""
         return (f"train loss {train['loss']:.4f} top1 {train['top1']:.2f}%  "
                 f"| val loss {val['loss']:.4f} top1 {val['top1']:.2f}% top5 {val['top5']:.2f}%{ema}")
+
+    def state_components(self) -> dict[str, Any]:
+        return {} if self.shard_stream is None else {"shard_loader": self.shard_stream}
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         return {"arch": self.cfg.model.arch, "num_classes": self.num_classes}
