@@ -4,6 +4,7 @@ tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,31 @@ def tiny_data(tmp_path_factory) -> Path:
     extra = root / "val" / "horizontal_0" / "extra.JPEG"
     draw(0, 40, np.random.default_rng(99)).save(extra, quality=90)
     return root
+
+
+_SESSION_DIRS: set[Path] = set()  # what session-scoped fixtures (tiny_data, the nodes) made: kept
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if fixturedef.scope != "session":
+        return (yield)
+    base = request.config._tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    try:
+        return (yield)
+    finally:
+        _SESSION_DIRS.update(set(base.iterdir()) - before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_module_outputs(tmp_path_factory):
+    """Delete what a module's shared fixtures wrote (their uninterrupted runs, servers' stores) once
+    the module is done. A failed test's own tmp_path (named after the test) is kept for debugging;
+    pytest.ini drops the passing ones."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    for path in set(base.iterdir()) - before - _SESSION_DIRS:
+        if not path.name.startswith("test_"):
+            shutil.rmtree(path, ignore_errors=True)
