@@ -5,11 +5,14 @@ conftest.py files."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -84,3 +87,44 @@ def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180, lines:
         if text in line:
             return lines
     raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-3000:]}")
+
+
+DEBUG = ["--config", "debug"]
+
+
+def tiny(tiny_data: Path, out: Path, *extra: str) -> list[str]:
+    return DEBUG + [f"data.dir={tiny_data}", f"output.dir={out}", *extra]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_states(probe_dir: Path) -> list[dict]:
+    return [torch.load(probe_dir / f"rank{r}.pt", weights_only=False)["state"] for r in range(2)]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert different == [], f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """rank -> PID of the training processes whose argv has ``marker``."""
+    found = {}
+    for pid, environ in training_processes(marker).items():
+        for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+            if key in environ:
+                found[int(environ[key])] = pid
+    return found
+
+
+def start_job(kind: str, program: list[str], tmp: Path) -> subprocess.Popen:
+    python = [str(BIN / "python")] + program
+    if kind == "horovodrun-gloo":
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"] + python
+    else:
+        cmd = ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
+    return subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)

@@ -14,6 +14,8 @@ reference recipe gets by erasing to 0 after normalization.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable
 
 import torch
@@ -42,7 +44,9 @@ def epoch_resolution(data: DataConfig) -> Callable[[int], int] | None:
     """epoch -> training resolution when progressive resizing is on (``data.max_res``), else None."""
     if not data.max_res:
         return None
-    return lambda epoch: resolution_at(epoch, data.min_res, data.max_res, data.start_ramp, data.end_ramp)
+    # A partial, not a lambda: the shard reader carries it into its loader workers (pickled).
+    return functools.partial(resolution_at, min_res=data.min_res, max_res=data.max_res,
+                             start_ramp=data.start_ramp, end_ramp=data.end_ramp)
 
 
 def policy_ops(augment: AugmentConfig) -> ImageOp | None:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .decode import BadImage, Transform
+from .decode import RESOLUTION, BadImage, Transform
 from .file_index import DataError
 from .image_folder import BadFileError, CountingLoader, collate
 from .sampler import sample_seed
@@ -346,8 +346,11 @@ class ShardStream(IterableDataset):
     """
 
     def __init__(self, manifest: Manifest, split: str, rank: int, world: int, workers: int, batch: int,
-                 transform: Transform, seed: int, shuffle_buffer: int, training: bool):
+                 transform: Transform, seed: int, shuffle_buffer: int, training: bool,
+                 resolution: Callable[[int], int] | None = None):
         self.manifest, self.split_name = manifest, split
+        # Progressive resizing: epoch -> training resolution (a picklable pure function of the epoch).
+        self.resolution = resolution
         self.split: Split = getattr(manifest, split)
         self.rank, self.world, self.workers, self.batch = rank, world, max(1, workers), batch
         self.transform, self.seed, self.shuffle_buffer, self.training = transform, seed, shuffle_buffer, training
@@ -514,6 +517,7 @@ class ShardStream(IterableDataset):
             return None, "no .cls label"
         if not data:
             return None, "no image member"
+        token = RESOLUTION.set(self.resolution(self.epoch)) if self.resolution is not None else None
         with torch.random.fork_rng(devices=[]):
             # The CPU generator alone: torch.manual_seed also queues seeds for CUDA, MTIA and XPU,
             # formatting a stack trace for each, which costs more than decoding a small image.
@@ -522,6 +526,9 @@ class ShardStream(IterableDataset):
                 return self.transform(data), ""
             except BadImage as error:
                 return None, str(error)
+            finally:
+                if token is not None:
+                    RESOLUTION.reset(token)
 
 
 class ShardLoader(CountingLoader):
@@ -548,10 +555,13 @@ class ShardLoader(CountingLoader):
 
 def shard_loaders(manifest: Manifest, rank: int, world: int, batch: int, train_transform: Transform,
                   val_transform: Transform, seed: int, shuffle_buffer: int, fail: bool,
-                  kwargs: dict, make_loader: Callable) -> tuple[ShardLoader, ShardLoader, ShardStream]:
-    """The training and validation loaders of one rank, and the training stream (its position)."""
+                  kwargs: dict, make_loader: Callable, resolution: Callable[[int], int] | None = None
+                  ) -> tuple[ShardLoader, ShardLoader, ShardStream]:
+    """The training and validation loaders of one rank, and the training stream (its position);
+    ``resolution`` is progressive resizing's epoch -> training size."""
     workers = kwargs.get("num_workers", 0)
-    train = ShardStream(manifest, "train", rank, world, workers, batch, train_transform, seed, shuffle_buffer, True)
+    train = ShardStream(manifest, "train", rank, world, workers, batch, train_transform, seed, shuffle_buffer, True,
+                        resolution)
     val = ShardStream(manifest, "val", rank, world, workers, batch, val_transform, seed, 0, False)
     return (ShardLoader(make_loader(train, batch_size=None, **kwargs), train, fail),
             ShardLoader(make_loader(val, batch_size=None, **kwargs), val, fail), train)

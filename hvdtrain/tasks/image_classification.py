@@ -162,7 +162,7 @@ class ImageClassification(Task):
         train, val, stream = shards.shard_loaders(
             manifest, env.rank, env.world_size, cfg.train.batch_size, fast_train_transform(data, cfg.augment),
             fast_eval_transform(data), cfg.seed, data.shuffle_buffer, data.on_bad_file == "fail",
-            loader_kwargs(data, env.pin_memory), DataLoader)
+            loader_kwargs(data, env.pin_memory), DataLoader, epoch_resolution(data) if data.augment else None)
         self.shard_stream = stream
         return Loaders(train, val, stream, manifest.train.size, manifest.val.size, note=shards.describe(manifest))
 

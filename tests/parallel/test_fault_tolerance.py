@@ -7,14 +7,14 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import BIN, PROBE, job_env, launch, training_processes, wait_for_line
+from tests.helpers import (PROBE, assert_bitwise_equal, final_states, launch, rank_pids, start_job,
+                           wait_for_line)
 
 # Augmentation on, a loader worker per rank, fp16 AMP (GradScaler state), mid-epoch checkpoints
 # every 3 steps with 4 steps per epoch: checkpoints at steps 3, 4, 6, 8, 9, 12.
@@ -24,16 +24,6 @@ RESUMABLE = ["--config", "debug", "data.workers=1", "amp.enabled=true", "amp.dty
 
 def args(tiny_data: Path, run_dir: Path, *extra: str) -> list[str]:
     return RESUMABLE + [f"data.dir={tiny_data}", f"output.dir={run_dir}", *extra]
-
-
-def final_states(probe_dir: Path) -> list[dict]:
-    return [torch.load(probe_dir / f"rank{r}.pt", weights_only=False)["state"] for r in range(2)]
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    different = [key for key in a if not torch.equal(a[key], b[key])]
-    assert different == [], f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
 def uninterrupted(kind: str, tiny_data: Path, tmp: Path) -> tuple[Path, dict]:
@@ -154,26 +144,6 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path):
         atomic_save({"model": {"w": torch.zeros(1000)}, "boom": Explodes()}, path)
     assert load(path)["step"] == 5
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
-
-
-def rank_pids(marker: str) -> dict[int, int]:
-    """rank -> PID of the training processes whose argv has ``marker``."""
-    found = {}
-    for pid, environ in training_processes(marker).items():
-        for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
-            if key in environ:
-                found[int(environ[key])] = pid
-    return found
-
-
-def start_job(kind: str, program: list[str], tmp: Path) -> subprocess.Popen:
-    python = [str(BIN / "python")] + program
-    if kind == "horovodrun-gloo":
-        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"] + python
-    else:
-        cmd = ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
-    return subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
 
 
 @pytest.mark.parametrize("kind, signum, targets", [

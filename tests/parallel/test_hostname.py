@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests.helpers import BIN, job_env
-from tests.parallel.test_training import tiny
+from tests.helpers import tiny
 
 NAME = "hvdtrain-unresolvable-host"
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import BIN, REPO, job_env, launch, training_processes
-from tests.parallel.test_training import read_metrics, tiny
+from tests.helpers import read_metrics, tiny
 
 PHASES = ("data", "compute", "allreduce", "optimizer", "other")
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import PROBE, launch, wait_for_line
-from tests.parallel.test_fault_tolerance import assert_bitwise_equal, final_states, rank_pids, start_job
+from tests.helpers import assert_bitwise_equal, final_states, rank_pids, start_job
 
 USERS = 61  # leave_last_out: one validation rating (user) each; 61 = 3 x 20 + 1
 

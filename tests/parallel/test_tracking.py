@@ -160,7 +160,7 @@ def test_one_tracked_run_across_sigterm_and_resume_horovodrun(mlflow_uri, tiny_d
         for started in ("tracking: wandb run", "tracking: mlflow run"):
             if not any(started in line for line in lines):
                 wait_for_line(job, started, timeout=300, lines=lines)
-        from tests.parallel.test_fault_tolerance import rank_pids
+        from tests.helpers import rank_pids
 
         pids = rank_pids(str(run_dir))
         assert sorted(pids) == [0, 1], pids

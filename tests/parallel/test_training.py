@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PROBE, launch
-
-DEBUG = ["--config", "debug"]
-
-
-def tiny(tiny_data: Path, out: Path, *extra: str) -> list[str]:
-    return DEBUG + [f"data.dir={tiny_data}", f"output.dir={out}", *extra]
+from tests.helpers import PROBE, launch, read_metrics, tiny
 
 
 def load_ranks(out: Path, size: int) -> list[dict]:
@@ -34,10 +28,6 @@ def json_line(stdout: str) -> dict:
     """The last JSON object printed (launchers may prefix lines with the rank)."""
     line = [line for line in stdout.splitlines() if '{"' in line][-1]
     return json.loads(line[line.index("{"):])
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("launcher, controller", [("horovodrun-gloo", "gloo"), ("mpirun", "mpi")])

@@ -281,6 +281,26 @@ def test_undecodable_records_are_replaced_in_training_and_dropped_in_validation(
     torch.manual_seed(0)
 
 
+def test_progressive_resizing_reaches_the_shard_reader_and_its_workers(prepared):
+    from torch.utils.data import DataLoader
+
+    from hvdtrain.data.policies import epoch_resolution
+
+    cfg = Config()
+    cfg.data.image_size, cfg.data.min_res, cfg.data.max_res, cfg.data.end_ramp = 32, 16, 32, 1
+    manifest = shards.read_manifest(str(prepared))
+    stream = shards.ShardStream(manifest, "train", 0, 1, 1, 8, fast_train_transform(cfg.data), 0, 0, True,
+                                epoch_resolution(cfg.data))
+    # One worker process (forkserver, as training uses): the schedule travels pickled with the stream.
+    loader = DataLoader(stream, batch_size=None, num_workers=1, multiprocessing_context="forkserver")
+    sizes = []
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        images, _, _ = next(iter(loader))
+        sizes.append(tuple(images.shape[-2:]))
+    assert sizes == [(16, 16), (32, 32)]
+
+
 def test_missing_manifest_is_one_line(tmp_path):
     with pytest.raises(DataError, match="no manifest.json in data.dir"):
         shards.read_manifest(str(tmp_path))
