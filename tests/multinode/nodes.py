@@ -76,6 +76,26 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def local_addresses() -> set[str]:
+    """The IPv4 addresses configured on this machine's interfaces (``ip -o -4 addr``)."""
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {fields[3].split("/")[0] for fields in (line.split() for line in out.splitlines()) if len(fields) > 3}
+
+
+def check_not_local() -> None:
+    """A node address configured on an interface makes horovodrun take that node for this machine
+    and start its rank without ssh: the tests would pass without testing the remote path (and the
+    ssh login counts fail). Stop with the fix instead."""
+    local = sorted(local_addresses() & set(ADDRESSES.values()))
+    if local:
+        raise RuntimeError(f"{', '.join(local)} is configured on a local interface, so horovodrun would start "
+                           f"that node's rank without ssh: remove it (ip addr del {local[0]}/8 dev lo); "
+                           f"127.0.0.0/8 is reachable without it")
+
+
 def strip_block(text: str) -> str:
     """``text`` without a harness block (what the file held before ``start()``)."""
     return re.sub(rf"(?ms)^{re.escape(BEGIN)}\n.*?^{re.escape(END)}\n?", "", text)
@@ -121,6 +141,7 @@ class TwoNodes:
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self, lock_timeout: float = 900) -> "TwoNodes":
+        check_not_local()
         self._lock = open(LOCK_FILE, "w")
         deadline = time.monotonic() + lock_timeout
         while True:
