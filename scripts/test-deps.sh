@@ -21,8 +21,7 @@ venv=${VENV:-$repo/.venv}
 # Python test requirements: reinstalled only when setup.py changed since the last time.
 stamp_file=$venv/.hvdtrain-test-deps.stamp
 stamp=$(sha256sum "$repo/setup.py" | cut -d' ' -f1)
-# HVDTRAIN_APT_ONLY=1: only the Debian packages (before the virtual environment exists, as .ci/run does).
-if [[ -z ${HVDTRAIN_APT_ONLY:-} && ( ! -f $stamp_file || $(cat "$stamp_file") != "$stamp" ) ]]; then
+if [[ ! -f $stamp_file || $(cat "$stamp_file") != "$stamp" ]]; then
     echo "[test-deps] installing the .[test] extra"
     PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_DISABLE_PIP_VERSION_CHECK=1 \
         "$venv/bin/python" -m pip install -q --no-build-isolation -e "$repo[test]"
