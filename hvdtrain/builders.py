@@ -101,8 +101,7 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
     return dist.distributed_optimizer(
         build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
         compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
-        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense,
-        groups=dist.gradient_buckets(model, cfg.dist.bucket_mb))
+        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense)
 
 
 def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:

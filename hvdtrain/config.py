@@ -212,8 +212,6 @@ class DistConfig:
     """Horovod's stall inspector: shut the job down after a stall this long (above stall_warning_seconds); 0 = never."""
     sparse_as_dense: bool = False
     """Convert sparse gradients (model.sparse_embeddings) to dense before the allreduce; false = Horovod's sparse allgather."""
-    bucket_mb: float = 0.0
-    """Allreduce gradients in groups of about this many MB, in backward order (as DDP's buckets); 0 = each gradient as soon as it is ready."""
 
 
 @dataclass
@@ -452,7 +450,6 @@ def validate(cfg: Config) -> None:
         "dist.stall_warning_seconds": cfg.dist.stall_warning_seconds,
         "dist.stall_shutdown_seconds": cfg.dist.stall_shutdown_seconds,
         "data.shuffle_buffer": cfg.data.shuffle_buffer,
-        "dist.bucket_mb": cfg.dist.bucket_mb,
     }
     for key, value in non_negative.items():
         if value < 0:

@@ -278,7 +278,6 @@ def distributed_optimizer(
     backward_passes_per_step: int,
     op: str,
     sparse_as_dense: bool = False,
-    groups: list[list[torch.nn.Parameter]] | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are allreduced during backward.
 
@@ -292,27 +291,7 @@ def distributed_optimizer(
         backward_passes_per_step=backward_passes_per_step,
         op=hvd.Adasum if op == "adasum" else hvd.Average,
         sparse_as_dense=sparse_as_dense,
-        groups=groups,
     )
-
-
-def gradient_buckets(model: torch.nn.Module, bucket_mb: float) -> list[list[torch.nn.Parameter]] | None:
-    """The trainable parameters in groups of about ``bucket_mb`` MB, last registered first (roughly
-    the order backward produces their gradients), or None for Horovod's default: each gradient on
-    its own, submitted as soon as it is ready. Horovod allreduces a group as one fused operation
-    once all its gradients are ready, like DDP's buckets: fewer, larger allreduces."""
-    if bucket_mb <= 0:
-        return None
-    limit = bucket_mb * 1024 * 1024
-    buckets: list[list[torch.nn.Parameter]] = [[]]
-    filled = 0
-    for parameter in reversed([p for p in model.parameters() if p.requires_grad]):
-        if buckets[-1] and filled + parameter.numel() * parameter.element_size() > limit:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(parameter)
-        filled += parameter.numel() * parameter.element_size()
-    return [bucket for bucket in buckets if bucket]
 
 
 def elastic_run(func):

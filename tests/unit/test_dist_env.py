@@ -57,20 +57,3 @@ def test_an_unresolvable_hostname_stops_a_gloo_rank_before_horovod_starts(monkey
     monkeypatch.setattr(dist.hvd, "init", lambda: pytest.fail("hvd.init() ran"))
     with pytest.raises(ConfigError, match="this host's name 'no-such-host.invalid' does not resolve"):
         dist.init(gpu=False)
-
-
-def test_gradient_buckets_cover_each_trainable_parameter_once_in_backward_order():
-    import torch
-
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 10))
-    model[0].weight.requires_grad_(False)
-    assert dist.gradient_buckets(model, 0) is None
-    buckets = dist.gradient_buckets(model, 2.01)  # weights of 2 MiB, 40 KiB (float32), and biases
-    sizes = [[p.numel() * 4 for p in bucket] for bucket in buckets]
-    assert sizes == [[4 * 10, 4 * 10240, 4 * 1024], [4 * 524288, 4 * 512]]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    flat = [p for bucket in buckets for p in bucket]
-    assert len(flat) == len(trainable) and {id(p) for p in flat} == {id(p) for p in trainable}
-    assert flat == trainable[::-1]
-    # A parameter larger than the limit gets a bucket of its own rather than being split.
-    assert [len(b) for b in dist.gradient_buckets(model, 0.001)] == [1] * len(trainable)
