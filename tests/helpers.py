@@ -37,20 +37,23 @@ def job_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def launch_command(kind: str, np_: int, program: list[str]) -> list[str]:
+    """The argv that starts ``program`` (argv after the interpreter) on ``np_`` local ranks."""
+    python = [str(BIN / "python")] + program
+    if kind == "single":
+        return python
+    if kind in ("horovodrun-gloo", "horovodrun-mpi"):
+        controller = "--gloo" if kind == "horovodrun-gloo" else "--mpi"
+        return [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", controller] + python
+    if kind == "mpirun":
+        return ["mpirun", "-np", str(np_), "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
+    raise ValueError(kind)
+
+
 def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,
            check: bool = True) -> subprocess.CompletedProcess:
     """Run ``program`` (argv after the interpreter) on ``np_`` ranks with a real launcher."""
-    python = [str(BIN / "python")] + program
-    if kind == "single":
-        cmd = python
-    elif kind == "horovodrun-gloo":
-        cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo"] + python
-    elif kind == "horovodrun-mpi":
-        cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--mpi"] + python
-    elif kind == "mpirun":
-        cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
-    else:
-        raise ValueError(kind)
+    cmd = launch_command(kind, np_, program)
     result = subprocess.run(cmd, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,
                             timeout=timeout)
     if check and result.returncode != 0:
@@ -121,10 +124,6 @@ def rank_pids(marker: str) -> dict[int, int]:
 
 
 def start_job(kind: str, program: list[str], tmp: Path) -> subprocess.Popen:
-    python = [str(BIN / "python")] + program
-    if kind == "horovodrun-gloo":
-        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"] + python
-    else:
-        cmd = ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
-    return subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    """``launch`` on 2 ranks without waiting: the job, its output merged into one pipe."""
+    return subprocess.Popen(launch_command(kind, 2, program), cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)

@@ -15,7 +15,6 @@ reference recipe gets by erasing to 0 after normalization.
 from __future__ import annotations
 
 import functools
-
 from typing import Callable
 
 import torch

@@ -9,8 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import BIN, job_env
-from tests.helpers import tiny
+from tests.helpers import BIN, job_env, tiny
 
 NAME = "hvdtrain-unresolvable-host"
 

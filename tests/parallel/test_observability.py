@@ -14,8 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import BIN, REPO, job_env, launch, training_processes
-from tests.helpers import read_metrics, tiny
+from tests.helpers import BIN, REPO, job_env, launch, read_metrics, tiny, training_processes
 
 PHASES = ("data", "compute", "allreduce", "optimizer", "other")
 

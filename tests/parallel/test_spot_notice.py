@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import PROBE, launch
+from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, start_job
 from tests.metadata_server import AWS_TOKEN, metadata_server
-from tests.helpers import assert_bitwise_equal, final_states, start_job
 
 # 2 epochs of 4 steps, a checkpoint every 3 steps (3, 4, 6, 8). The watchdog's 45 s without progress
 # is too short on a machine loaded by other jobs; it plays no part here, so it gets room.

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import BIN, job_env, launch, wait_for_line
+from tests.helpers import BIN, job_env, launch, rank_pids, wait_for_line
 
 pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install -e .[test]")
 pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install -e .[test]")
@@ -160,7 +160,6 @@ def test_one_tracked_run_across_sigterm_and_resume_horovodrun(mlflow_uri, tiny_d
         for started in ("tracking: wandb run", "tracking: mlflow run"):
             if not any(started in line for line in lines):
                 wait_for_line(job, started, timeout=300, lines=lines)
-        from tests.helpers import rank_pids
 
         pids = rank_pids(str(run_dir))
         assert sorted(pids) == [0, 1], pids
