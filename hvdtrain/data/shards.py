@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import tarfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -53,6 +52,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .decode import RESOLUTION, BadImage, Transform
+from .tar import TarReader
 from .file_index import DataError
 from .image_folder import BadFileError, CountingLoader, collate
 from .sampler import sample_seed
@@ -293,10 +293,11 @@ def remaining_sequence(split: Split, segments: list[Segment], consumed: list[int
 def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes, int | None]]:
     """(position, key, image extension, image bytes) of records ``[first, end)`` of one shard; a
     record's label is its ``.cls`` member. Reads the file front to back, seeking over skipped records."""
-    with open_binary(path) as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
+    with open_binary(path) as handle:
         position, key, image, ext, label = -1, None, None, "", None
-        for member in tar:
-            base = member.name.rsplit("/", 1)[-1]
+        reader = TarReader(handle)
+        for name, is_file in reader:
+            base = name.rsplit("/", 1)[-1]
             member_key, _, member_ext = base.partition(".")
             if member_key != key:
                 if key is not None and first <= position < end:
@@ -305,13 +306,12 @@ def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, s
                 if position >= end:
                     return
                 key, image, ext, label = member_key, None, "", None
-            if position < first or not member.isfile():
+            if position < first or not is_file:
                 continue
-            data = tar.extractfile(member).read()
             if member_ext.lower() in IMAGE_EXTENSIONS:
-                image, ext = data, member_ext
+                image, ext = reader.read(), member_ext
             elif member_ext == "cls":
-                label = int(data.decode().strip())
+                label = int(reader.read().decode().strip())
         if key is not None and first <= position < end:
             yield position, key, ext, image if image is not None else b"", label
 
