@@ -21,12 +21,14 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import AugmentConfig, load_config
+from ..config import AugmentConfig, ConfigError, load_config
 from ..data import DataError
 from ..data.image_folder import ImageFiles, collate
 from ..data.loaders import loader_kwargs
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..tasks.image_classification import file_datasets
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
 class ReferenceFiles(Dataset):
@@ -102,8 +104,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="hvdtrain bench-data", description="Images per second of the training input pipeline alone "
         "(read, decode, augment, collate to the uint8 batch the model consumes).",
-        epilog="Per core: data.workers=0 runtime.threads=1. Example: python -m hvdtrain bench-data "
-        "data.dir=/data/imagenet data.workers=0 runtime.threads=1 --compare")
+        epilog="Per core, in this process (data.workers=0; runtime.threads=1 for one core). Example: python -m "
+        "hvdtrain bench-data data.dir=/data/imagenet runtime.threads=1 --compare")
     parser.add_argument("--config", "-c", help="YAML config file or shipped config name")
     parser.add_argument("--compare", action="store_true", help="also run the plain torchvision pipeline, "
                         "interleaved, and print the ratio")
@@ -116,10 +118,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shards", action="append", default=[], metavar="DIR",
                         help="also read these shards (hvdtrain prepare's output of the same images), interleaved; "
                         "repeatable")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the page cache before every timed round (Linux, root): reads come from the "
+                        "disk, as in a first epoch over a dataset larger than memory")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     data = cfg.data
+    if data.workers and any(item.split("=", 1)[0].strip() == "data.workers" for item in args.overrides):
+        # Worker processes prefetch: a short timed round can take batches made before its clock
+        # started (one such round reported 88,000 img/s). Per core, in this process, is exact.
+        raise ConfigError(f"bench-data measures the pipeline per core, in its own process: use data.workers=0, "
+                          f"not {data.workers} (with N workers on N free cores, a loader delivers up to N times that rate)")
+    data.workers = 0
+    if args.cold and not os.access(DROP_CACHES, os.W_OK):
+        raise ConfigError(f"--cold drops the page cache through {DROP_CACHES}, which only root can write on Linux")
     if not data.dir:
         raise DataError("bench-data needs data.dir=DIR (a train/ and val/ ImageFolder; --generate N makes one)")
     root = Path(data.dir).expanduser()
@@ -130,10 +143,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.seed)
     train_set, _, index = file_datasets(data, root)
     batch = cfg.train.batch_size
-    # With worker processes, a pipeline's workers fill their prefetch queue while the other
-    # pipeline is measured; each round first takes those ready batches, untimed.
-    backlog = data.workers * data.prefetch_factor
-    needed = (args.rounds + 1) * (args.batches + backlog) * batch
+    needed = (args.rounds + 1) * args.batches * batch
     generator = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_set), generator=generator).tolist()
     order = (order * (needed // max(1, len(order)) + 1))[:needed]
@@ -164,7 +174,8 @@ def main(argv: list[str]) -> int:
     for round_index in range(args.rounds):
         names = list(iterators) if round_index % 2 == 0 else list(reversed(iterators))
         for name in names:
-            run_round(iterators[name], backlog)
+            if args.cold:
+                drop_page_cache()
             before = opened["total"]
             images, seconds = run_round(iterators[name], args.batches)
             opened[name] += opened["total"] - before
@@ -176,6 +187,7 @@ def main(argv: list[str]) -> int:
               flush=True)
     overall = {name: images / seconds for name, (images, seconds) in totals.items()}
     for name in pipelines:
+        print(f"images_timed[{name}]={images_read[name]}")  # the work the rates stand for
         if name != "reference" and images_read[name]:
             print(f"files_opened_per_image[{name}]={opened[name] / images_read[name]:.4f}")
     if args.compare:
@@ -195,6 +207,12 @@ def main(argv: list[str]) -> int:
               + (f", to the reference {overall[name] / overall['reference']:.2f}" if args.compare else "") + ")")
     print(f"images_per_sec={overall['hvdtrain']:.1f}", flush=True)
     return 0
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    with open(DROP_CACHES, "w") as handle:
+        handle.write("1\n")  # the page cache (not dentries and inodes)
 
 
 def policy_configs() -> list[tuple[str, AugmentConfig]]:

@@ -6,6 +6,7 @@ policies, the presets, and one-line errors for bad settings."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.config import PACKAGED_CONFIGS, AugmentConfig, ConfigError, EmaConfig, OptimConfig, load_config
+from hvdtrain.config import (
+    PACKAGED_CONFIGS,
+    AugmentConfig,
+    ConfigError,
+    EmaConfig,
+    OptimConfig,
+    load_config,
+)
 from hvdtrain.data.mixing import BatchMix, MixDraw, cutmix_draw
 from hvdtrain.data.policies import Augmented, policy_ops, resolution_at
 from hvdtrain.data.sampler import SeededSamples
@@ -310,12 +318,32 @@ def test_bench_data_measures_every_policy(tmp_path, capsys):
     from hvdtrain.tools.bench_data import main
 
     generate(tmp_path / "data", train_per_class=4, val_per_class=1, size=40, num_classes=2)
-    assert main([f"data.dir={tmp_path / 'data'}", "data.workers=0", "runtime.threads=1", "data.image_size=32",
-                 "train.batch_size=4", "--rounds", "1", "--batches", "1", "--policies"]) == 0
+    with pytest.raises(ConfigError, match="use data.workers=0, not 2"):
+        main([f"data.dir={tmp_path / 'data'}", "data.workers=2"])
+    # data.workers is 0 without being asked (the default config has 4).
+    assert main([f"data.dir={tmp_path / 'data'}", "runtime.threads=1", "data.image_size=32",
+                 "train.batch_size=4", "--rounds", "2", "--batches", "1", "--policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert "workers 0," in lines[0]
+    timed = [line for line in lines if line.startswith("images_timed[")]
+    assert len(timed) == 5 and all(line.endswith("]=8") for line in timed)  # 2 rounds x 1 batch x 4 images
     measured = [line for line in lines if line.startswith("policy ")]
     assert [line.split(":")[0] for line in measured] == ["policy trivialaugment", "policy randaugment",
                                                          "policy autoaugment", "policy random_erase=0.25"]
     assert all(float(line.split(": ")[1].split()[0]) > 0 for line in measured)
     # Each pipeline ran its warm-up round and one measured round of one batch of 4 images.
     assert sum(line.startswith("round 1:") for line in lines) == 1 and lines[-1].startswith("images_per_sec=")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_bench_data_cold_rounds_drop_the_page_cache_and_still_time_every_image(tmp_path, capsys):
+    from hvdtrain.data.demo import generate
+    from hvdtrain.tools.bench_data import main
+
+    generate(tmp_path / "data", train_per_class=4, val_per_class=1, size=40, num_classes=2)
+    assert main([f"data.dir={tmp_path / 'data'}", "runtime.threads=1", "data.image_size=32", "train.batch_size=4",
+                 "--rounds", "2", "--batches", "1", "--compare", "--cold"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("images_timed[")] == [
+        "images_timed[hvdtrain]=8", "images_timed[reference]=8"]
+    assert "files_opened_per_image[hvdtrain]=1.0000" in lines
