@@ -6,7 +6,7 @@ NP ?= 2
 PYTEST_ARGS ?=
 EXTRAS ?=
 
-.PHONY: setup demo test test-image test-unit bench clean
+.PHONY: setup demo test image test-image test-unit bench clean
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (setup.py extras_require, pinned).
 setup:
@@ -22,9 +22,12 @@ test: setup
 
 # The docker image built for real with podman (offline Debian base, the host's CA bundle as a build
 # secret) and run through chroot: check-build, a 2-rank demo epoch, sshd -t, no secrets/compilers.
-test-image: setup
+# `make image` only builds it (podman's layer cache makes the build in test-image take seconds then).
+image: setup
 	@VENV="$(VENV)" bash scripts/test-deps.sh image
 	bash docker/build-local.sh
+
+test-image: image
 	HVDTRAIN_TEST_IMAGE=1 $(PY) -m pytest tests/image $(PYTEST_ARGS)
 
 # hvdtrain vs a raw PyTorch loop and DDP, alternating (benchmarks/compare.py; ARGS="--rounds 5" etc.)

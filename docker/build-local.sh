@@ -7,7 +7,8 @@
 #
 # Knobs: HVDTRAIN_IMAGE (tag, default localhost/hvdtrain:cpu), HVDTRAIN_BASE_IMAGE (default
 # localhost/debian-base:bookworm), HVDTRAIN_CA_BUNDLE (default /etc/ssl/certs/ca-certificates.crt;
-# empty: no secret), DEBIAN_MIRROR (default http://deb.debian.org/debian).
+# empty: no secret), DEBIAN_MIRROR (default http://deb.debian.org/debian), HVDTRAIN_IMAGE_FROM_SOURCE=1
+# (compile Horovod in the image even when this checkout's setup already built a matching wheel).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,11 +42,20 @@ if [[ -n $ca ]]; then
     [[ -s $ca ]] || die "HVDTRAIN_CA_BUNDLE=$ca is not a readable PEM bundle"
     secret=(--secret "id=ca,src=$ca")
 fi
+# The Horovod wheels this checkout's setup built (.cache/setup/wheels), read-only at /wheelhouse in
+# the builder: one built from the same inputs (sdist, patch, torch, Python, OS, CPU ops) is installed
+# instead of compiled. HVDTRAIN_IMAGE_FROM_SOURCE=1 compiles it in the image all the same.
+wheels=$repo/.cache/setup/wheels
+volume=()
+if [[ -z ${HVDTRAIN_IMAGE_FROM_SOURCE:-} && -d $wheels ]]; then
+    volume=(-v "$wheels:/wheelhouse:ro")
+    log "the builder may reuse the Horovod wheels in $wheels (HVDTRAIN_IMAGE_FROM_SOURCE=1: compile instead)"
+fi
 log "building $image on $base (CPU: HVDTRAIN_GPU_OPS=none)"
 start=$SECONDS
 # --isolation=chroot: no container runtime is needed (none can start containers on these machines);
 # --network=host: the build reaches the package registries the way the host does.
-podman build --isolation=chroot --network=host "${secret[@]}" \
+podman build --isolation=chroot --network=host "${secret[@]}" "${volume[@]}" \
     --build-arg "BASE_IMAGE=$base" --build-arg "RUNTIME_IMAGE=$base" --build-arg HVDTRAIN_GPU_OPS=none \
     -f "$repo/docker/Dockerfile" -t "$image" "$repo"
 size=$(podman image inspect --format '{{.Size}}' "$image")

@@ -15,6 +15,11 @@
 #                              registry's CUDA build of torch is installed, not a local CPU-only wheel)
 #   HVDTRAIN_SKIP_APT=1        never call apt-get (the packages must already be there)
 #   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry)
+#   HVDTRAIN_WHEELHOUSE=DIR    the wheels directory of an earlier setup (its .cache/setup/wheels): a
+#                              Horovod wheel there built from the same sdist, patch, torch, Python, OS
+#                              and GPU ops is installed instead of compiling again (setup keeps every
+#                              wheel it builds under .cache/setup/wheels; make test-image hands the
+#                              host's to the image build this way)
 #   EXTRAS=a,b                 optional integrations to install too (setup.py extras_require, pinned),
 #                              e.g. EXTRAS=ray,mlflow; `make setup EXTRAS=...` passes it through
 #   HVDTRAIN_EXTRA_CA=FILE     a PEM bundle that apt and pip trust besides their own (a TLS-intercepting
@@ -144,20 +149,6 @@ fi
 # --- Horovod -----------------------------------------------------------------------------------
 installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
 if [[ $installed_horovod != "$horovod_version" ]] || ! check_build >/dev/null 2>&1; then
-    mkdir -p "$cache"
-    sdist=${HOROVOD_SDIST:-$cache/horovod-$horovod_version.tar.gz}
-    if [[ ! -f $sdist ]]; then
-        log "downloading the horovod $horovod_version sdist"
-        "$vpy" -m pip download -q --no-deps --no-binary :all: "horovod==$horovod_version" -d "$cache"
-    fi
-    echo "$horovod_sha256  $sdist" | sha256sum -c --quiet - || die "checksum mismatch for $sdist"
-    src=$cache/src
-    rm -rf "$src" && mkdir -p "$src"
-    tar -xzf "$sdist" -C "$src"
-    src=$src/horovod-$horovod_version
-    log "applying $(basename "$patch_file")"
-    patch -d "$src" -p1 --quiet <"$patch_file"
-
     build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS=-j$jobs)
     # NCCL ops need the CUDA toolkit headers and NCCL; torch's CUDA wheels bring NCCL along.
@@ -188,15 +179,55 @@ EOF
         build_env+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=$nccl_home HOROVOD_NCCL_LINK=SHARED
                     CUDA_HOME=$cuda_home CUDAToolkit_ROOT=$cuda_home HOROVOD_CUDA_HOME=$cuda_home
                     PATH=$cuda_home/bin:$PATH)
-        log "building horovod $horovod_version with NCCL ops (CUDA $torch_cuda, $cuda_home, NCCL $nccl_home)"
+        ops="NCCL ops (CUDA $torch_cuda, $cuda_home, NCCL $nccl_home)"
+        ops_id=nccl-cuda$torch_cuda
     else
         # Keep CMake from picking up a stray toolkit: a CPU build must not need one.
         build_env+=(HOROVOD_WITHOUT_GLOO_CUDA=1 HOROVOD_GPU_OPERATIONS= CUDAToolkit_ROOT=/nonexistent)
-        log "building horovod $horovod_version for CPU (Gloo + MPI; no CUDA toolkit/NCCL, or HVDTRAIN_GPU_OPS=none)"
+        ops="CPU (Gloo + MPI; no CUDA toolkit/NCCL, or HVDTRAIN_GPU_OPS=none)"
+        ops_id=cpu
+    fi
+
+    # The wheel is kept under a name that says what it was built from (sdist, patch, torch, Python,
+    # machine, OS, GPU ops), so that another setup with the same inputs (the image's builder stage,
+    # a second venv) installs it instead of compiling Horovod again.
+    wheel_key=horovod-$horovod_version-$(sha256sum "$patch_file" | cut -c1-12)-$("$vpy" -c \
+        'import platform, sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-{platform.machine()}")')
+    wheel_key=$wheel_key-$(. /etc/os-release 2>/dev/null && echo "${ID:-linux}${VERSION_ID:-}")-$ops_id
+    wheel_dir=$cache/wheels/$wheel_key
+    wheel=""
+    for dir in ${HVDTRAIN_WHEELHOUSE:+"$HVDTRAIN_WHEELHOUSE/$wheel_key"} "$wheel_dir"; do
+        for candidate in "$dir"/horovod-"$horovod_version"-*.whl; do
+            [[ -f $candidate ]] && wheel=$candidate && break 2
+        done
+    done
+    if [[ -n $wheel ]]; then
+        log "installing horovod $horovod_version built earlier for $ops: $wheel"
+    else
+        mkdir -p "$cache"
+        sdist=${HOROVOD_SDIST:-$cache/horovod-$horovod_version.tar.gz}
+        if [[ ! -f $sdist ]]; then
+            log "downloading the horovod $horovod_version sdist"
+            "$vpy" -m pip download -q --no-deps --no-binary :all: "horovod==$horovod_version" -d "$cache"
+        fi
+        echo "$horovod_sha256  $sdist" | sha256sum -c --quiet - || die "checksum mismatch for $sdist"
+        src=$cache/src
+        rm -rf "$src" && mkdir -p "$src"
+        tar -xzf "$sdist" -C "$src"
+        src=$src/horovod-$horovod_version
+        log "applying $(basename "$patch_file")"
+        patch -d "$src" -p1 --quiet <"$patch_file"
+        log "building horovod $horovod_version for $ops"
+        # Built into a side directory and moved into place once complete: an interrupted build
+        # never leaves a wheel that a later run would take for a finished one.
+        rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
+        env "${build_env[@]}" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$wheel_dir.partial" "$src" \
+            >"$cache/horovod-build.log" 2>&1 || { tail -40 "$cache/horovod-build.log"; die "horovod build failed (full log: $cache/horovod-build.log)"; }
+        rm -rf "$src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
+        wheel=$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)
     fi
     "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
-    env "${build_env[@]}" "$vpy" -m pip install -q --no-build-isolation --no-deps --no-cache-dir "$src" \
-        >"$cache/horovod-build.log" 2>&1 || { tail -40 "$cache/horovod-build.log"; die "horovod build failed (full log: $cache/horovod-build.log)"; }
+    pip_install --no-deps "$wheel"
 fi
 
 if ! out=$(check_build); then
