@@ -17,10 +17,13 @@ One tracked run per training: the trackers' run ids are a component of the run s
 (preemption, crash, elastic reset) continues the same W&B run (``id`` + ``resume``) and the same
 MLflow run (``run_id``).
 
-A tracker never stops training: the libraries are imported, runs started and values sent on one
-background thread behind a bounded queue (full: the value is dropped and counted); an unreachable or
-misconfigured tracker costs one warning line and is left out for the rest of the run; the training
-thread only builds a small dict every ``every_steps`` steps. Other ranks never import the trackers.
+A tracker never stops training: the training thread only queues references every ``every_steps``
+steps, behind a bounded queue (full: the value is dropped and counted); a relay thread turns them
+into values and hands them to a sender process, which imports the trackers' libraries, starts the
+runs and sends. Neither wandb nor mlflow is imported into the training process (importing mlflow
+alone moved a CPU step by up to 5%), and their threads never take its GIL. An unreachable or
+misconfigured tracker costs one warning line and is left out for the rest of the run. Other ranks
+never import the trackers.
 """
 
 from __future__ import annotations
@@ -31,15 +34,20 @@ import math
 import os
 import queue
 import random
+import multiprocessing
 import shutil
+import signal
 import socket
 import string
 import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
+
+import psutil
 
 from .config import Config, ConfigError, to_dict
 
@@ -136,7 +144,7 @@ def new_wandb_id() -> str:
     return "".join(random.SystemRandom().choices(string.ascii_lowercase + string.digits, k=8))
 
 
-# --- backends (they run on the tracker's thread only) ------------------------------------------
+# --- backends (they run in the sender only) -----------------------------------------------------
 
 class Backend:
     name = ""
@@ -280,27 +288,118 @@ def first_line(error: BaseException) -> str:
 
 # --- the tracker (rank 0) ----------------------------------------------------------------------
 
+class Sender:
+    """The trackers' side: imports their libraries, creates or resumes the runs, sends the values the
+    relay hands over, ends the runs. It runs in a process of its own (``serve``), so the training
+    process never imports wandb or mlflow nor runs their threads; tests that swap in a backend of
+    their own run it on a thread instead.
+
+    Messages to the relay: ``("log", line)``, ``("ids", backend, ids)``, ``("ready", skip_through)``
+    once the runs exist, and ``("done", failed sends per backend, CPU seconds after start-up, values
+    sent, helper-process CPU line)`` at the end. From the relay: ``("log", [(step, time, values),
+    ...])``, ``("artifact", path, kind)``, ``("finish", status)``."""
+
+    def __init__(self, cfg: Config, run_dir: Path, names: list[str], inbox: Connection, outbox: Connection):
+        self.backends = [BACKENDS[name](cfg, run_dir) for name in names]
+        self.inbox, self.outbox = inbox, outbox
+        self.failed: dict[str, int] = {}
+
+    def run(self, ids: dict[str, dict[str, str]], params: dict[str, Any], env: dict[str, Any],
+            parent: int | None, clock: Callable[[], float]) -> None:
+        live: list[Backend] = []
+        skip_through = -1
+        for backend in self.backends:
+            try:
+                got, description = backend.start(ids.get(backend.name, {}), params, env)
+                skip_through = max(skip_through, backend.last_step())
+            except Exception as error:
+                self.outbox.send(("log", f"hvdtrain: warning: tracking with {backend.name} is off for this run: "
+                                         f"{first_line(error)}"))
+                continue
+            live.append(backend)
+            self.failed[backend.name] = 0
+            self.outbox.send(("ids", backend.name, got))
+            self.outbox.send(("log", f"hvdtrain: tracking: {description}"))
+        self.outbox.send(("ready", skip_through))
+        began, sent = clock(), 0
+        while True:
+            try:
+                if not self.inbox.poll(1.0):
+                    if parent is not None and os.getppid() != parent:
+                        return  # the training process is gone (killed): nothing more will come
+                    continue
+                item = self.inbox.recv()
+            except (EOFError, OSError):
+                return
+            if item[0] == "finish":
+                break
+            if item[0] == "artifact":
+                _, path, kind = item
+                self.send(live, lambda backend: backend.artifact(path, kind))
+                shutil.rmtree(path.parent, ignore_errors=True)
+                continue
+            batch = item[1]
+            self.send(live, lambda backend: backend.log(batch))
+            sent += len(batch)
+        cpu, helpers = clock() - began, helper_cpu()
+        for backend in live:
+            try:
+                backend.finish(item[1])
+            except Exception as error:
+                self.failed[backend.name] += 1
+                self.outbox.send(("log", f"hvdtrain: warning: tracking: ending the {backend.name} run failed: "
+                                         f"{first_line(error)}"))
+        self.outbox.send(("done", self.failed, cpu, sent, helpers))
+
+    def send(self, live: list[Backend], action: Callable[[Backend], None]) -> None:
+        for backend in live:
+            try:
+                action(backend)
+            except Exception as error:
+                self.failed[backend.name] += 1
+                if self.failed[backend.name] == 1:  # once; the closing line has the count
+                    self.outbox.send(("log", f"hvdtrain: warning: tracking: sending to {backend.name} failed, "
+                                             f"training goes on: {first_line(error)}"))
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    """The sender process (``python -c "from hvdtrain.tracking import serve; ..."``)."""
+    # The job's stop signals (a scheduler signals every process of the job) are the training
+    # process's to handle: it asks this process to end the runs with the right status.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    cfg, run_dir, names, ids, params, env = inbox.recv()
+    Sender(cfg, run_dir, names, inbox, outbox).run(ids, params, env, os.getppid(), time.process_time)
+
+
 class Tracker:
-    """Rank 0's link to the trackers: the training thread queues, one background thread sends."""
+    """Rank 0's link to the trackers. The training thread queues references; a relay thread turns
+    them into plain values (the task's arithmetic, which may wait for the GPU) and passes them over
+    a pipe to the sender process, which talks to the trackers."""
 
     def __init__(self, cfg: Config, run_dir: Path, state: TrackingState, hosts: list[str],
-                 log: Callable[[str], None], names: list[str] | None = None):
+                 log: Callable[[str], None], names: list[str] | None = None, in_process: bool = False):
         self.cfg, self.run_dir, self.state, self.log = cfg, run_dir, state, log
         self.every = cfg.tracking.every_steps
-        self.backends = [BACKENDS[name](cfg, run_dir) for name in (names or enabled(cfg))]
+        self.names = names or enabled(cfg)
+        self.in_process = in_process  # the sender on a thread (tests with backends of their own)
+        self.sender: Sender | None = None
+        self.process: subprocess.Popen | None = None
         self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
         self.dropped = 0            # values the full queue refused
         self.failed: dict[str, int] = {}   # sends that raised, per backend (after a successful start)
         self.skipped = 0            # step-level points a resumed run had already sent before a crash
         self.hook_seconds = 0.0     # time the training thread spent in this class (the per-step cost)
         self.hook_calls = 0
+        self.sender_cpu = ""        # the sender's CPU time per value sent, for the closing line
         self.mark: tuple[int, float, Any] | None = None  # (step, time, rank 0's sums) at the last point
         self.last_point = -1        # the step of the last step-level point queued
         self.staging = run_dir / "tracking-staging"
         self.artifacts = 0
         state.starting = threading.Event()
         self.hosts = hosts
-        self.thread = threading.Thread(target=self.work, name="hvdtrain-tracking", daemon=True)
+        self.thread = threading.Thread(target=self.relay, name="hvdtrain-tracking", daemon=True)
         self.thread.start()
 
     # training thread -----------------------------------------------------------------------------
@@ -318,7 +417,7 @@ class Tracker:
         """Every ``every_steps`` steps: rank 0's mean of the task's metrics since the last point, the
         learning rate of the last step and the images/s of all ranks. Only references are taken
         here (``MetricSums`` replaces its tensor at every add, never changes it in place); the
-        arithmetic happens on the tracker's thread."""
+        arithmetic happens on the relay thread."""
         if not self.every or step % self.every or self.mark is None:
             return
         if step <= self.last_point:  # an elastic rollback trains these steps again: sent already
@@ -364,6 +463,13 @@ class Tracker:
             self.dropped += 1
         self.thread.join(max(0.0, deadline - time.monotonic()))
         lost = self.queue.qsize() + 1 if self.thread.is_alive() else 0
+        if self.process is not None and self.process.poll() is None:
+            if lost:
+                self.process.kill()  # a tracker that hangs must not hold the end of training
+            try:
+                self.process.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.process.kill()
         problems = [f"{n} sends to {name} failed" for name, n in self.failed.items() if n]
         if self.dropped:
             problems.append(f"{self.dropped} values dropped (queue full)")
@@ -372,30 +478,71 @@ class Tracker:
         if self.skipped:
             problems.append(f"{self.skipped} step-level points not sent again (sent before an interruption)")
         cost = f"{1e6 * self.hook_seconds / self.hook_calls:.0f} us per point" if self.hook_calls else "none"
-        self.log(f"hvdtrain: tracking: training-thread cost {cost}"
+        self.log(f"hvdtrain: tracking: training-thread cost {cost}{self.sender_cpu}"
                  + (f"; {'; '.join(problems)}" if problems else ""))
         shutil.rmtree(self.staging, ignore_errors=True)
 
-    # background thread ---------------------------------------------------------------------------
+    # relay thread --------------------------------------------------------------------------------
 
-    def work(self) -> None:
-        live: list[Backend] = []
+    def start_sender(self, params: dict[str, Any], env: dict[str, Any]) -> tuple[Connection, Connection]:
+        """The sender, and the pipe ends to talk to it: (to the sender, from the sender)."""
+        ids = {name: dict(value) for name, value in self.state.ids.items()}
+        if self.in_process:
+            inbox, to_sender = multiprocessing.Pipe(duplex=False)
+            from_sender, outbox = multiprocessing.Pipe(duplex=False)
+            self.sender = Sender(self.cfg, self.run_dir, self.names, inbox, outbox)
+            threading.Thread(target=self.sender.run, args=(ids, params, env, None, time.thread_time),
+                             name="hvdtrain-tracking-sender", daemon=True).start()
+            return to_sender, from_sender
+        inbox, to_sender = os.pipe()
+        from_sender, outbox = os.pipe()
+        package_root = str(Path(__file__).resolve().parents[1])
+        python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from hvdtrain.tracking import serve; "
+                 "serve(int(sys.argv[1]), int(sys.argv[2]))", str(inbox), str(outbox)],
+                pass_fds=(inbox, outbox), stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": python_path})
+        finally:
+            os.close(inbox)
+            os.close(outbox)
+        writer, reader = Connection(to_sender, readable=False), Connection(from_sender, writable=False)
+        writer.send((self.cfg, self.run_dir, self.names, ids, params, env))
+        return writer, reader
+
+    def pump(self, reader: Connection, until: str | None = None) -> tuple | None:
+        """Handle the sender's messages: those waiting, or all up to the first ``until`` message."""
+        while until is not None or reader.poll():
+            message = reader.recv()  # EOFError when the sender died: the caller stops
+            if message[0] == "log":
+                self.log(message[1])
+            elif message[0] == "ids":
+                self.state.ids[message[1]] = message[2]
+            elif message[0] == "done":
+                self.failed, cpu, sent, helpers = message[1:]
+                if sent:
+                    where = "sender thread" if self.in_process else "sender process"
+                    self.sender_cpu = f"; {where} {1e6 * cpu / sent:.0f} us CPU per value ({sent} values){helpers}"
+            if message[0] == until:
+                return message
+        return None
+
+    def relay(self) -> None:
+        writer: Connection | None = None
         skip_through = -1
         try:
             params = flatten(to_dict(self.cfg))
             env = environment(self.hosts)
-            for backend in self.backends:
-                try:
-                    ids, description = backend.start(self.state.ids.get(backend.name, {}), params, env)
-                    self.state.ids[backend.name] = ids
-                    skip_through = max(skip_through, backend.last_step())
-                except Exception as error:
-                    self.log(f"hvdtrain: warning: tracking with {backend.name} is off for this run: "
-                             f"{first_line(error)}")
-                    continue
-                live.append(backend)
-                self.failed[backend.name] = 0
-                self.log(f"hvdtrain: tracking: {description}")
+            writer, reader = self.start_sender(params, env)
+            skip_through = self.pump(reader, until="ready")[1]
+        except EOFError:  # the sender died starting (its own error is on stderr): training goes on
+            code = self.process.wait() if self.process is not None else None
+            self.log(f"hvdtrain: warning: tracking is off for this run: its sender process ended at start "
+                     f"(exit code {code})")
+            writer = None
+        except Exception as error:
+            self.log(f"hvdtrain: warning: tracking is off for this run: {first_line(error)}")
+            writer = None
         finally:
             if self.state.starting is not None:
                 self.state.starting.set()
@@ -404,10 +551,10 @@ class Tracker:
             item, held = (held, None) if held is not None else (self.queue.get(), None)
             if item[0] == "finish":
                 break
+            if writer is None:
+                continue  # nothing to send to: the queue is drained so that close() does not wait
             if item[0] == "artifact":
-                _, path, kind = item
-                self.send(live, lambda backend: backend.artifact(path, kind))
-                shutil.rmtree(path.parent, ignore_errors=True)
+                writer.send(item)
                 continue
             batch = [entry(item)]
             while len(batch) < 100:  # send what has piled up in one request
@@ -423,25 +570,19 @@ class Tracker:
             # (identically): the tracker keeps the values it got the first time.
             kept = [entry for entry in batch if not (entry[0] <= skip_through and STEP_KEY in entry[2])]
             self.skipped += len(batch) - len(kept)
-            if kept:
-                self.send(live, lambda backend: backend.log(kept))
-        status = item[1]
-        for backend in live:
             try:
-                backend.finish(status)
-            except Exception as error:
-                self.failed[backend.name] += 1
-                self.log(f"hvdtrain: warning: tracking: ending the {backend.name} run failed: {first_line(error)}")
-
-    def send(self, live: list[Backend], action: Callable[[Backend], None]) -> None:
-        for backend in live:
+                if kept:
+                    writer.send(("log", kept))
+                self.pump(reader)
+            except (EOFError, OSError):
+                self.log("hvdtrain: warning: tracking: the sender process ended; training goes on untracked")
+                writer = None
+        if writer is not None:
             try:
-                action(backend)
-            except Exception as error:
-                self.failed[backend.name] += 1
-                if self.failed[backend.name] == 1:  # once; close() reports the count
-                    self.log(f"hvdtrain: warning: tracking: sending to {backend.name} failed, training goes on: "
-                             f"{first_line(error)}")
+                writer.send(("finish", item[1]))
+                self.pump(reader, until="done")
+            except (EOFError, OSError):
+                self.log("hvdtrain: warning: tracking: the sender process ended before the runs did")
 
 
 def entry(item: tuple) -> tuple[int, float, dict[str, float]]:
@@ -453,6 +594,17 @@ def entry(item: tuple) -> tuple[int, float, dict[str, float]]:
               if key != "samples" and isinstance(value, (int, float)) and math.isfinite(value)}
     values.update({"train_step/lr": lr, "train_step/samples_per_sec": samples_per_sec})
     return step, stamp, values
+
+
+def helper_cpu() -> str:
+    """The CPU time so far of the trackers' helper processes (W&B's ``wandb-core``), which run beside
+    the training process on its machine."""
+    try:
+        seconds = sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children(recursive=True)
+                      if "wandb" in child.name())
+    except psutil.Error:  # gone meanwhile: nothing to report
+        return ""
+    return f"; wandb-core {seconds:.2f} s CPU so far" if seconds else ""
 
 
 def close_status() -> str:
