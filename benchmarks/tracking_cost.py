@@ -8,10 +8,10 @@ Each round runs "off" and "on" once, alternating which goes first. A run's step 
 epoch's training seconds over its steps (the first epoch holds start-up: the trackers' imports and
 run creation happen on their background thread then). Prints per round and the medians: step time
 off and on, their ratio, and the CPU time tracking adds per step, from the ``training-thread cost``
-line a tracked run prints at its end: the training thread's own time per point, the background
-thread's CPU time per value sent, and the CPU time of W&B's helper process ``wandb-core``. That sum
-bounds what tracking can take from training on the same machine, and unlike the ratio of two runs'
-step times it is not buried in the run-to-run spread of the step time (several % on a shared VM).
+line a tracked run prints at its end: the training thread's own time per point, the sender
+process's CPU time per value sent, and the CPU time of W&B's helper process ``wandb-core``; and the
+training process's own CPU per step in the second epoch (metrics.jsonl's ``cpu_percent``), on minus
+off. The sender's and wandb-core's CPU is what tracking takes from the machine's other cores.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, w
     process_cpu = (train[1]["cpu_percent"] + (train[1].get("workers_cpu_percent") or 0)) / 100 * step_seconds
     cpu = 0.0
     if tracked:
-        found = re.search(r"training-thread cost (\d+) us per point; background thread (\d+) us CPU per value "
+        found = re.search(r"training-thread cost (\d+) us per point; sender (?:process|thread) (\d+) us CPU per value "
                           r"\((\d+) values\)(?:; wandb-core ([\d.]+) s CPU)?", done.stdout)
         print(f"  {trackers}: {found.group(0) if found else done.stdout[-500:]}", flush=True)
         if found is None or "warning" in done.stdout.lower():
