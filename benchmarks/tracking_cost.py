@@ -31,7 +31,7 @@ BIN = Path(sys.executable).parent
 
 
 def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, workdir: Path,
-             every: int = 1, trackers: str = "both") -> tuple[float, float, float]:
+             every: int = 1, trackers: str = "both") -> tuple[float, float, tuple[float, float]]:
     run_dir = Path(tempfile.mkdtemp(prefix="tracked-" if tracked else "plain-", dir=workdir))
     args = ["-m", "hvdtrain", "--config", "debug", "data.synthetic=true", f"data.synthetic_samples={steps * batch}",
             f"data.image_size={image_size}", f"train.batch_size={batch}", f"train.steps_per_epoch={steps}",
@@ -53,7 +53,8 @@ def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, w
     step_seconds = train[1]["seconds"] / steps
     # The process's CPU per step in the second epoch, every thread and the child processes
     # (wandb-core) included: what tracking adds there is its whole cost on the training machine.
-    process_cpu = (train[1]["cpu_percent"] + (train[1].get("workers_cpu_percent") or 0)) / 100 * step_seconds
+    process_cpu = (train[1]["cpu_percent"] / 100 * step_seconds,
+                   (train[1].get("workers_cpu_percent") or 0) / 100 * step_seconds)
     cpu = 0.0
     if tracked:
         found = re.search(r"training-thread cost (\d+) us per point; sender (?:process|thread) (\d+) us CPU per value "
@@ -87,16 +88,18 @@ def main() -> None:
             for tracked in order:
                 result[tracked] = run_once(tracked, args.steps, args.image_size, args.batch, args.mlflow_uri,
                                            Path(workdir), args.every, args.trackers)
-            (off, _, cpu_off), (on, cpu, cpu_on) = result[False], result[True]
-            rows.append((off, on, on / off, cpu, cpu_on - cpu_off))
+            (off, _, (main_off, children_off)), (on, cpu, (main_on, children_on)) = result[False], result[True]
+            rows.append((off, on, on / off, cpu, main_on - main_off, children_on - children_off))
             print(f"round {round_ + 1}: step off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, ratio {on / off:.3f}; "
-                  f"CPU added by tracking {cpu * 1e3:.2f} ms per step ({100 * cpu / off:.3f}% of a step); process "
-                  f"CPU per step off {cpu_off * 1e3:.0f} ms, on {cpu_on * 1e3:.0f} ms", flush=True)
-    off, on, ratio, cpu, process = (statistics.median(column) for column in zip(*rows))
+                  f"CPU added by tracking {cpu * 1e3:.2f} ms per step ({100 * cpu / off:.3f}% of a step); training "
+                  f"process CPU per step off {main_off * 1e3:.0f} ms, on {main_on * 1e3:.0f} ms; its child processes "
+                  f"off {children_off * 1e3:.1f} ms, on {children_on * 1e3:.1f} ms", flush=True)
+    off, on, ratio, cpu, main, children = (statistics.median(column) for column in zip(*rows))
     print(f"median: step off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, ratio of rounds {ratio:.3f} "
           f"(from {min(r[2] for r in rows):.3f} to {max(r[2] for r in rows):.3f}); CPU added by tracking "
-          f"{cpu * 1e3:.2f} ms per step = {100 * cpu / off:.3f}% of a step; process CPU per step on minus off "
-          f"{process * 1e3:.1f} ms = {100 * process / off:.2f}% of a step")
+          f"{cpu * 1e3:.2f} ms per step = {100 * cpu / off:.3f}% of a step; per step, on minus off: training "
+          f"process CPU {main * 1e3:.1f} ms ({100 * main / off:.2f}%), child processes {children * 1e3:.1f} ms "
+          f"({100 * children / off:.2f}%)")
 
 
 if __name__ == "__main__":
