@@ -203,7 +203,14 @@ EOF
     done
     if [[ -n $wheel ]]; then
         log "installing horovod $horovod_version built earlier for $ops: $wheel"
-    else
+        "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
+        pip_install --no-deps "$wheel"
+        if ! check_build >/dev/null 2>&1; then
+            log "that wheel does not pass horovodrun --check-build here: compiling instead"
+            wheel=""
+        fi
+    fi
+    if [[ -z $wheel ]]; then
         mkdir -p "$cache"
         sdist=${HOROVOD_SDIST:-$cache/horovod-$horovod_version.tar.gz}
         if [[ ! -f $sdist ]]; then
@@ -225,9 +232,9 @@ EOF
             >"$cache/horovod-build.log" 2>&1 || { tail -40 "$cache/horovod-build.log"; die "horovod build failed (full log: $cache/horovod-build.log)"; }
         rm -rf "$src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
         wheel=$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)
+        "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
+        pip_install --no-deps "$wheel"
     fi
-    "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
-    pip_install --no-deps "$wheel"
 fi
 
 if ! out=$(check_build); then
