@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from hvdtrain import tracking
+from hvdtrain import tracking, tracking_sender
 from hvdtrain.config import ConfigError, load_config
 from hvdtrain.metrics import MetricSums
 
@@ -40,7 +40,7 @@ def test_epoch_records_become_tensorboard_named_series():
     assert tracking.flatten({"a": {"b": 1, "c": {"d": "x"}}, "e": 2}) == {"a.b": 1, "a.c.d": "x", "e": 2}
 
 
-class Hanging(tracking.Backend):
+class Hanging(tracking_sender.Backend):
     """A tracker whose every send hangs (a server that stopped answering mid-run)."""
 
     name = "hanging"
@@ -61,7 +61,7 @@ class Hanging(tracking.Backend):
 
 
 def test_a_hanging_tracker_never_holds_the_training_thread(monkeypatch, tmp_path):
-    monkeypatch.setitem(tracking.BACKENDS, "hanging", Hanging)
+    monkeypatch.setitem(tracking_sender.BACKENDS, "hanging", Hanging)
     monkeypatch.setattr(tracking, "QUEUE_SIZE", 50)
     cfg = load_config("debug", ["tracking.every_steps=1", "tracking.flush_seconds=1"])
     lines: list[str] = []
@@ -92,7 +92,7 @@ def test_a_hanging_tracker_never_holds_the_training_thread(monkeypatch, tmp_path
 SENDER_SCRIPT = """
 import os, sys, torch
 from pathlib import Path
-from hvdtrain import tracking
+from hvdtrain import tracking, tracking_sender
 from hvdtrain.config import load_config
 from hvdtrain.metrics import MetricSums
 run_dir = Path(sys.argv[1])
