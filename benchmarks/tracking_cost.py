@@ -48,8 +48,8 @@ def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, w
                           timeout=1800)
     if done.returncode != 0:
         sys.exit(f"run failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["split"] == "train"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [record for record in records if record["split"] == "train"]
     step_seconds = train[1]["seconds"] / steps
     # The process's CPU per step in the second epoch, every thread and the child processes
     # (wandb-core) included: what tracking adds there is its whole cost on the training machine.
@@ -65,7 +65,7 @@ def run_once(tracked: bool, steps: int, image_size: int, batch: int, uri: str, w
         hook, sender, values = int(found.group(1)) * 1e-6, int(found.group(2)) * 1e-6, int(found.group(3))
         points = 2 * steps // every
         # All the CPU time tracking adds to the training machine over the run, per step: the training
-        # thread's part, the background thread's, and W&B's helper process (start-up included).
+        # thread's part, the sender's, and W&B's helper process (start-up included).
         cpu = (hook * points + sender * values + float(found.group(4) or 0)) / (2 * steps)
     return step_seconds, cpu, process_cpu
 

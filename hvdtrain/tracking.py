@@ -311,25 +311,26 @@ class Tracker:
             if writer is None:
                 continue  # nothing to send to: the queue is drained so that close() does not wait
             if item[0] == "artifact":
-                writer.send(item)
-                continue
-            batch = [entry(item)]
-            while len(batch) < 100:  # send what has piled up in one request
-                try:
-                    following = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if following[0] not in ("log", "point"):
-                    held = following
-                    break
-                batch.append(entry(following))
-            # After a crash, the steps between the last checkpoint and the crash are trained again
-            # (identically): the tracker keeps the values it got the first time.
-            kept = [entry for entry in batch if not (entry[0] <= skip_through and STEP_KEY in entry[2])]
-            self.skipped += len(batch) - len(kept)
-            try:
-                if kept:
-                    writer.send(("log", kept))
+                message = item
+            else:
+                batch = [entry(item)]
+                while len(batch) < 100:  # send what has piled up in one request
+                    try:
+                        following = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if following[0] not in ("log", "point"):
+                        held = following
+                        break
+                    batch.append(entry(following))
+                # After a crash, the steps between the last checkpoint and the crash are trained again
+                # (identically): the tracker keeps the values it got the first time.
+                kept = [entry for entry in batch if not (entry[0] <= skip_through and STEP_KEY in entry[2])]
+                self.skipped += len(batch) - len(kept)
+                message = ("log", kept) if kept else None
+            try:  # an artifact too: a sender that died must not take the relay with it
+                if message is not None:
+                    writer.send(message)
                 self.pump(reader)
             except (EOFError, OSError):
                 self.log("hvdtrain: warning: tracking: the sender process ended; training goes on untracked")

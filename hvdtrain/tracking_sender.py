@@ -172,7 +172,7 @@ def first_line(error: BaseException) -> str:
     return (f"{type(error).__name__}: {text[0]}" if text else type(error).__name__)[:200]
 
 
-# --- the tracker (rank 0) ----------------------------------------------------------------------
+# --- the sender --------------------------------------------------------------------------------
 
 class Sender:
     """The trackers' side: imports their libraries, creates or resumes the runs, sends the values the

@@ -201,10 +201,10 @@ EOF
             [[ -f $candidate ]] && wheel=$candidate && break 2
         done
     done
+    install_wheel() { "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true; pip_install --no-deps "$1"; }
     if [[ -n $wheel ]]; then
         log "installing horovod $horovod_version built earlier for $ops: $wheel"
-        "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
-        pip_install --no-deps "$wheel"
+        install_wheel "$wheel"
         if ! check_build >/dev/null 2>&1; then
             log "that wheel does not pass horovodrun --check-build here: compiling instead"
             wheel=""
@@ -231,9 +231,7 @@ EOF
         env "${build_env[@]}" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$wheel_dir.partial" "$src" \
             >"$cache/horovod-build.log" 2>&1 || { tail -40 "$cache/horovod-build.log"; die "horovod build failed (full log: $cache/horovod-build.log)"; }
         rm -rf "$src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
-        wheel=$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)
-        "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true
-        pip_install --no-deps "$wheel"
+        install_wheel "$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)"
     fi
 fi
 

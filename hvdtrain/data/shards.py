@@ -52,10 +52,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .decode import RESOLUTION, BadImage, Transform
-from .tar import TarReader
 from .file_index import DataError
 from .image_folder import BadFileError, CountingLoader, collate
 from .sampler import sample_seed
+from .tar import TarReader
 
 MANIFEST = "manifest.json"
 FORMAT = "hvdtrain-shards-v1"
