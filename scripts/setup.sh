@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent installer for hvdtrain: Debian packages, a virtual environment with pinned
-# torch/torchvision, and Horovod 0.28.1 built from its sdist with the C++17 patch.
+# torch/torchvision, and Horovod 0.28.1 built from its sdist with third_party/horovod-0.28.1.patch
+# (C++17; a synchronize() that sleeps instead of spinning).
 #
 # A second run compares a stamp (hash of this script, the patch and the pins) and only
 # re-checks `horovodrun --check-build`, so it takes seconds.
@@ -33,7 +34,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVDTRAIN_VENV:-$repo/.venv}
 python=${PYTHON:-python3}
 gpu_ops=${HVDTRAIN_GPU_OPS:-auto}
-patch_file=$repo/third_party/horovod-0.28.1-cxx17.patch
+patch_file=$repo/third_party/horovod-0.28.1.patch
 horovod_version=0.28.1
 horovod_sha256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 cache=${HVDTRAIN_CACHE:-$repo/.cache/setup}

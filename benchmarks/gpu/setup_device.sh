@@ -23,7 +23,7 @@ if ! "$py" -c 'import horovod.torch' 2>/dev/null; then
     if [[ -z $wheel ]]; then
         src=$(mktemp -d)
         tar -xzf "$sdist" -C "$src"
-        patch -d "$src/horovod-0.28.1" -p1 --quiet <"$repo/third_party/horovod-0.28.1-cxx17.patch"
+        patch -d "$src/horovod-0.28.1" -p1 --quiet <"$repo/third_party/horovod-0.28.1.patch"
         nccl=$("$py" -c 'import nvidia.nccl, pathlib; print(pathlib.Path(list(nvidia.nccl.__path__)[0]))')
         [[ -e $nccl/lib/libnccl.so ]] || ln -s libnccl.so.2 "$nccl/lib/libnccl.so"
         cuda=${CUDA_HOME:-/usr/local/cuda}

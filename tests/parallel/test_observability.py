@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -120,3 +121,17 @@ def test_stall_inspector_warns_then_shuts_the_job_down(tmp_path):
     assert time.monotonic() - started < 50, output[-3000:]  # not the 60 s rank 1 sleeps
     assert "late_tensor" in output and "missing ranks" in output.lower(), output[-3000:]
     assert "done" not in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["horovodrun-gloo", "mpirun"])
+def test_waiting_for_a_late_rank_costs_the_training_thread_no_cpu(kind, tmp_path):
+    """Horovod 0.28.1's synchronize() spun on sched_yield while it waited (a core burned per rank,
+    taken from the threads doing the allreduce); third_party/horovod-0.28.1.patch makes it sleep
+    on a condition variable."""
+    result = launch(kind, 2, [str(REPO / "tests" / "parallel" / "wait_probe.py"), "3"], tmp_path, timeout=180)
+    found = re.search(r"rank 0 waited ([\d.]+) s wall, ([\d.]+) s thread CPU, sum 2", result.stdout)
+    assert found, result.stdout[-2000:]
+    wall, cpu = float(found[1]), float(found[2])
+    assert wall > 2.0, f"rank 0 did not wait for rank 1 ({wall:.3f} s): {result.stdout[-2000:]}"
+    assert cpu < 0.1 * wall, f"rank 0's training thread used {cpu:.3f} s of CPU in a {wall:.3f} s wait"
+
