@@ -149,7 +149,12 @@ fi
 
 # --- Horovod -----------------------------------------------------------------------------------
 installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
-if [[ $installed_horovod != "$horovod_version" ]] || ! check_build >/dev/null 2>&1; then
+# The venv records the patch its Horovod was built with: a changed patch means a rebuild, even
+# though the version and --check-build still look right.
+patch_id=$(sha256sum "$patch_file" | cut -c1-12)
+patch_marker=$venv/horovod-patch
+if [[ $installed_horovod != "$horovod_version" || $(cat "$patch_marker" 2>/dev/null) != "$patch_id" ]] ||
+        ! check_build >/dev/null 2>&1; then
     build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS=-j$jobs)
     # NCCL ops need the CUDA toolkit headers and NCCL; torch's CUDA wheels bring NCCL along.
@@ -192,7 +197,7 @@ EOF
     # The wheel is kept under a name that says what it was built from (sdist, patch, torch, Python,
     # machine, OS, GPU ops), so that another setup with the same inputs (the image's builder stage,
     # a second venv) installs it instead of compiling Horovod again.
-    wheel_key=horovod-$horovod_version-$(sha256sum "$patch_file" | cut -c1-12)-$("$vpy" -c \
+    wheel_key=horovod-$horovod_version-$patch_id-$("$vpy" -c \
         'import platform, sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-{platform.machine()}")')
     wheel_key=$wheel_key-$(. /etc/os-release 2>/dev/null && echo "${ID:-linux}${VERSION_ID:-}")-$ops_id
     wheel_dir=$cache/wheels/$wheel_key
@@ -241,5 +246,6 @@ if ! out=$(check_build); then
     die "horovodrun --check-build does not show PyTorch, MPI and Gloo"
 fi
 echo "$out" | sed 's/^/[setup]   /'
+echo "$patch_id" >"$patch_marker"
 echo "$stamp" >"$stamp_file"
 log "done: $venv"
