@@ -134,4 +134,3 @@ def test_waiting_for_a_late_rank_costs_the_training_thread_no_cpu(kind, tmp_path
     wall, cpu = float(found[1]), float(found[2])
     assert wall > 2.0, f"rank 0 did not wait for rank 1 ({wall:.3f} s): {result.stdout[-2000:]}"
     assert cpu < 0.1 * wall, f"rank 0's training thread used {cpu:.3f} s of CPU in a {wall:.3f} s wait"
-
