@@ -314,3 +314,31 @@ def test_cli_reports_a_layout_problem_in_one_line(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"hvdtrain: error: data.dir '{tmp_path}/none' does not exist "
                      "(set data.dir to a folder with train/ and val/)"]
+
+
+
+FORKSERVER_CHECK = """
+import psutil, torch
+from torch.utils.data import DataLoader, TensorDataset
+from hvdtrain.config import DataConfig
+from hvdtrain.data.loaders import loader_kwargs, shutdown_workers
+
+if __name__ == "__main__":
+    loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2,
+                        **loader_kwargs(DataConfig(workers=1, mp_context="forkserver"), pin_memory=False))
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3]]
+    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    assert len(servers) == 1, [p.cmdline() for p in psutil.Process().children()]
+    print(sorted({m.path.rsplit("/", 1)[-1] for m in servers[0].memory_maps() if "libtorch" in m.path}))
+    shutdown_workers(loader)
+"""
+
+
+def test_loader_workers_fork_from_a_server_that_has_torch_loaded(tmp_path):
+    # Without the preload the forkserver is a bare interpreter, and every worker imports torch itself
+    # (seconds of CPU each). Checked in a fresh process, whose forkserver this loader starts.
+    script = tmp_path / "check.py"
+    script.write_text(FORKSERVER_CHECK)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "libtorch_python.so" in result.stdout, result.stdout
