@@ -18,11 +18,6 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROBE = REPO / "tests" / "parallel" / "probe.py"
 JOB_TIMEOUT = 600
-# The model of tests that need autocast's state (the GradScaler) but not learning. Without bf16/fp16
-# instructions (AVX2 machines such as CI's) autocast convolutions fall back to PyTorch's slow kernels:
-# a resnet18 step at 32 px took 4.5 s there instead of 0.17 s in float32; this model's takes 0.24 s.
-# (It does not learn the tiny data in 24 steps, so the AMP learning tests keep resnet18.)
-AMP_ARCH = "shufflenet_v2_x0_5"
 
 
 def job_env(tmp_path: Path) -> dict[str, str]:

@@ -316,7 +316,6 @@ def test_cli_reports_a_layout_problem_in_one_line(tmp_path):
                      "(set data.dir to a folder with train/ and val/)"]
 
 
-
 FORKSERVER_CHECK = """
 import psutil, torch
 from torch.utils.data import DataLoader, TensorDataset
