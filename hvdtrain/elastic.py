@@ -40,7 +40,7 @@ from .data.loaders import shutdown_workers
 from .engine import train_one_epoch
 from .optim import LRSchedule
 from .preemption import StopRequest
-from .run import Outputs, Run, end_epoch, log, resume_locally, setup, stop_for_preemption
+from .run import Outputs, Run, end_epoch, leave_together, log, resume_locally, setup, stop_for_preemption
 from .state import RunState
 
 
@@ -240,4 +240,5 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
         shutdown_workers(run.loaders.train, run.loaders.val)
         for out in outputs:
             out.close()
+        leave_together()
     return run, last

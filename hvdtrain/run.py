@@ -8,6 +8,7 @@ elastic.py both import this module.
 from __future__ import annotations
 
 import re
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -401,12 +402,15 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
     log(f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
         f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
         f"Resume with the same command (checkpoint.resume=auto).")
-    if "tracking" in run.state.extra:
-        # Rank 0 sends what its tracker holds; the others wait: a launcher ends every rank as soon
-        # as one exits with an error code, rank 0 in the middle of its flush.
-        outputs.close_tracker("preempted")
+    raise Preempted()  # the loop's ``finally`` closes the outputs, then calls leave_together()
+
+
+def leave_together() -> None:
+    """From a ``finally``, once the outputs are closed: after a preemption stop, every rank waits for
+    the others. A launcher ends every rank as soon as one exits with an error code, and rank 0 must
+    have flushed its logs and sent what its tracker holds by then."""
+    if isinstance(sys.exc_info()[1], Preempted):
         dist.barrier()
-    raise Preempted()
 
 
 def lost_rank(run: Run, error: Exception) -> LostRank:

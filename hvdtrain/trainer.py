@@ -35,8 +35,8 @@ from .config import Config
 from .data.loaders import shutdown_workers
 from .engine import train_one_epoch
 from .preemption import StopRequest
-from .run import Outputs, Run, end_epoch, log, lost_rank, resume_and_broadcast, save_checkpoint, setup, \
-    stop_for_preemption
+from .run import Outputs, Run, end_epoch, leave_together, log, lost_rank, resume_and_broadcast, save_checkpoint, \
+    setup, stop_for_preemption
 from .state import RunState
 
 
@@ -103,6 +103,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
             run.stats.stop()
         shutdown_workers(loaders.train, loaders.val)
         outputs.close()
+        leave_together()
     return run, last
 
 

@@ -1,9 +1,10 @@
 """A spot interruption notice stops a really launched 2-rank job like SIGTERM does: every rank
-checkpoints at the same step and exits 75 within 30 s of the notice, and the same command resumes
+checkpoints at the same step, the job stops with exit code 75 within 30 s of the notice, and the same command resumes
 bitwise-exactly. The notice comes from a real HTTP server on loopback answering as AWS IMDSv2."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -48,10 +49,15 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
             job.kill()
         requests = list(server.requests)
     assert elapsed < 30, f"took {elapsed:.1f}s to stop after the notice"
-    # Every rank exits 75 (horovodrun itself then reports a failure: it passes no code through).
+    # horovodrun reports a failure (it passes no code through) and ends the other ranks as soon as
+    # one exits with an error code. So every rank that ended on its own exited 75, and the first one did;
+    # a rank still on its way out (the ranks leave together, after every write) may be ended by SIGTERM.
     assert job.returncode != 0
-    for rank in (0, 1):
-        assert f"Process {rank} exit with status code 75." in output, output[-2000:]
+    codes = re.findall(r"Process (\d) exit with status code (\d+)\.", output)
+    ended = output.find("Terminating remaining workers")
+    assert codes and codes[0][1] == "75", output[-2000:]
+    assert all(code == "75" or (code == "143" and 0 <= ended < output.find(f"Process {rank} exit"))
+               for rank, code in codes), output[-2000:]
     assert output.count(f"hvdtrain: watching for aws preemption notices at {server.url} every 0.2 s") == 1
     assert ("stopped by an AWS spot interruption notice (terminate at 2026-11-23T04:12:00Z)" in output
             or "stopped by a preemption notice (aws) seen by another rank" in output), output[-2000:]
