@@ -132,7 +132,7 @@ def parse_args(argv: list[str]) -> Options:
 def check_train_args(train_args: list[str]) -> None:
     """The train arguments as the ranks will read them, checked here first: a typo in a key is one
     line now, not a line per rank after the cluster has started every actor."""
-    from .cli import require_data_choice, train_parser
+    from .arguments import require_data_choice, train_parser
     from .config import load_config
 
     args = train_parser("hvdtrain ray -- ").parse_args(train_args)

@@ -31,6 +31,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+# ImageNet's per-channel mean and std (0..1): the device normalizes with them, and the
+# augmentation policies fill with the mean pixel.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 SCALE = (0.08, 1.0)
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 # libjpeg-turbo decodes at n/8 of the size; factors between 1 and 2 are not faster than a full

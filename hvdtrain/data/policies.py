@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import AugmentConfig, DataConfig
-from .transforms import IMAGENET_MEAN
+from .decode import IMAGENET_MEAN
 
 ImageOp = Callable[[torch.Tensor], torch.Tensor]
 MEAN_PIXEL = tuple(int(round(255 * m)) for m in IMAGENET_MEAN)

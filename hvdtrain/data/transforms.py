@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..config import AugmentConfig, DataConfig, float_pair
-from .decode import CenterCrop, FlipOnly, PadCrop, TrainCrop, Transform
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from .decode import IMAGENET_MEAN, IMAGENET_STD, CenterCrop, FlipOnly, PadCrop, TrainCrop, Transform
+from .policies import Augmented, policy_ops
 
 
 def val_image_size(data: DataConfig) -> int:
@@ -43,8 +41,6 @@ def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None)
         crop = PadCrop(data.image_size, data.image_size, augment.pad, augment.hflip)
     else:
         crop = FlipOnly(center, augment.hflip) if augment.hflip > 0 else center
-    from .policies import Augmented, policy_ops
-
     op = policy_ops(augment)
     return crop if op is None else Augmented(crop, op)
 

@@ -25,7 +25,7 @@ from ..config import AugmentConfig, ConfigError, load_config
 from ..data import DataError
 from ..data.image_folder import ImageFiles, collate
 from ..data.loaders import loader_kwargs
-from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ..data.decode import IMAGENET_MEAN, IMAGENET_STD
 from ..tasks.image_classification import file_datasets
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
