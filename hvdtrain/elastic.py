@@ -36,11 +36,10 @@ import torch
 
 from . import dist
 from .config import Config, ConfigError
-from .data.loaders import shutdown_workers
 from .engine import train_one_epoch
 from .optim import LRSchedule
 from .preemption import StopRequest
-from .run import Outputs, Run, end_epoch, leave_together, log, resume_locally, setup, stop_for_preemption
+from .run import Outputs, Run, end_epoch, finish, log, resume_locally, setup, stop_for_preemption
 from .state import RunState
 
 
@@ -233,12 +232,5 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
         with stop.installed():
             loop(elastic_state)
     finally:
-        if run.timeline is not None:
-            run.timeline.close()
-        if run.stats is not None:
-            run.stats.stop()
-        shutdown_workers(run.loaders.train, run.loaders.val)
-        for out in outputs:
-            out.close()
-        leave_together()
+        finish(run, outputs)
     return run, last

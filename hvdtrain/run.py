@@ -13,7 +13,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -21,7 +21,7 @@ from . import checkpoint, dist, tracking
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
 from .config import Config, ConfigError, dump_yaml, step_range, to_dict
-from .data.loaders import Loaders
+from .data.loaders import Loaders, shutdown_workers
 from .dist import log
 from .ema import ModelEma
 from .engine import StepSettings, evaluate
@@ -266,13 +266,10 @@ class Outputs:
             self.tracker.after_step(run.state.position.step, sums, run.task.summarize,
                                     run.state.optimizer.param_groups[0]["lr"], run.global_batch)
 
-    def close_tracker(self, status: str) -> None:
-        if self.tracker is not None:
-            self.tracker.close(status)
-            self.tracker = None
-
     def close(self) -> None:
-        self.close_tracker(tracking.close_status())  # before the writers: it may log
+        if self.tracker is not None:  # before the writers: it may log
+            self.tracker.close(tracking.close_status())
+            self.tracker = None
         if self.writer is not None:
             self.writer.close()
 
@@ -402,13 +399,21 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
     log(f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
         f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
         f"Resume with the same command (checkpoint.resume=auto).")
-    raise Preempted()  # the loop's ``finally`` closes the outputs, then calls leave_together()
+    raise Preempted()  # the loop's ``finally`` calls finish(): outputs closed, then every rank leaves together
 
 
-def leave_together() -> None:
-    """From a ``finally``, once the outputs are closed: after a preemption stop, every rank waits for
-    the others. A launcher ends every rank as soon as one exits with an error code, and rank 0 must
-    have flushed its logs and sent what its tracker holds by then."""
+def finish(run: Run, outputs: Iterable[Outputs]) -> None:
+    """The end of a training loop (static or elastic), from its ``finally``: the timeline, the
+    statistics, the loader workers and the outputs are closed. After a preemption stop every rank
+    then waits for the others: a launcher ends every rank as soon as one exits with an error code,
+    and rank 0 must have flushed its logs and sent what its tracker holds by then."""
+    if run.timeline is not None:
+        run.timeline.close()
+    if run.stats is not None:
+        run.stats.stop()
+    shutdown_workers(run.loaders.train, run.loaders.val)
+    for out in outputs:
+        out.close()
     if isinstance(sys.exc_info()[1], Preempted):
         dist.barrier()
 

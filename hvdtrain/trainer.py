@@ -32,11 +32,10 @@ from typing import Any
 
 from . import dist
 from .config import Config
-from .data.loaders import shutdown_workers
 from .engine import train_one_epoch
 from .preemption import StopRequest
-from .run import Outputs, Run, end_epoch, leave_together, log, lost_rank, resume_and_broadcast, save_checkpoint, \
-    setup, stop_for_preemption
+from .run import Outputs, Run, end_epoch, finish, log, lost_rank, resume_and_broadcast, save_checkpoint, setup, \
+    stop_for_preemption
 from .state import RunState
 
 
@@ -97,13 +96,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
     except dist.HorovodInternalError as error:
         raise lost_rank(run, error) from None
     finally:
-        if run.timeline is not None:
-            run.timeline.close()
-        if run.stats is not None:
-            run.stats.stop()
-        shutdown_workers(loaders.train, loaders.val)
-        outputs.close()
-        leave_together()
+        finish(run, [outputs])
     return run, last
 
 

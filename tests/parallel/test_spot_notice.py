@@ -1,6 +1,7 @@
 """A spot interruption notice stops a really launched 2-rank job like SIGTERM does: every rank
-checkpoints at the same step, the job stops with exit code 75 within 30 s of the notice, and the same command resumes
-bitwise-exactly. The notice comes from a real HTTP server on loopback answering as AWS IMDSv2."""
+checkpoints at the same step, the job stops with exit code 75 within 30 s of the notice, and the
+same command resumes bitwise-exactly. The notice comes from a real HTTP server on loopback
+answering as AWS IMDSv2."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
         requests = list(server.requests)
     assert elapsed < 30, f"took {elapsed:.1f}s to stop after the notice"
     # horovodrun reports a failure (it passes no code through) and ends the other ranks as soon as
-    # one exits with an error code. So every rank that ended on its own exited 75, and the first one did;
-    # a rank still on its way out (the ranks leave together, after every write) may be ended by SIGTERM.
+    # one exits with an error code. So the first rank to exit shows 75, and so does every rank that
+    # ended on its own; one still on its way out (the ranks leave together, after every write) may
+    # be ended by horovodrun's SIGTERM (143), but only after the first exit.
     assert job.returncode != 0
     codes = re.findall(r"Process (\d) exit with status code (\d+)\.", output)
     ended = output.find("Terminating remaining workers")
