@@ -30,16 +30,23 @@ def main() -> None:
     parser.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler (CUDA)")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--json", help="write the result here (rank 0)")
+    parser.add_argument("--horovod", action="store_true",
+                        help="under horovodrun: hvd.DistributedOptimizer instead of DDP (Horovod without hvdtrain)")
     args = parser.parse_args()
 
     distributed = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    hvd = None
+    if args.horovod:
+        import horovod.torch as hvd
+        hvd.init()
+        distributed = False
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     torch.set_num_threads(args.threads)
-    rank, world = 0, 1
+    rank, world = (hvd.rank(), hvd.size()) if hvd else (0, 1)
     if distributed:
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -50,13 +57,16 @@ def main() -> None:
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    if hvd:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     scaler = torch.amp.GradScaler(device.type) if args.amp else None
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     images = images.contiguous(memory_format=memory_format)
     labels = torch.randint(0, 1000, (args.batch_size,), device=device)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.float16, enabled=args.amp):
             loss = F.cross_entropy(model(images), labels)
         if scaler is not None:
@@ -72,6 +82,8 @@ def main() -> None:
             torch.cuda.synchronize()
         if distributed:
             torch.distributed.barrier()
+        if hvd:
+            hvd.allreduce(torch.zeros(1), name="sync")
 
     for _ in range(args.warmup_steps):
         step()
@@ -84,7 +96,7 @@ def main() -> None:
     total = args.steps * args.batch_size * world / seconds
     if rank == 0:
         print(f"torch_loop: {args.arch} {args.image_size}px, batch {args.batch_size}/rank x {world} ranks "
-              f"({'DDP' if distributed else 'one process'}), {device.type}, {args.threads} threads/rank")
+              f"({'DDP' if distributed else 'Horovod' if hvd else 'one process'}), {device.type}, {args.threads} threads/rank")
         print(f"images_per_sec={total:.2f}", flush=True)
         if args.json:
             with open(args.json, "w") as handle:

@@ -96,12 +96,24 @@ def compression_for(cfg: Config, device: torch.device) -> str:
     return cfg.dist.compression
 
 
+def bucket_mb_for(cfg: Config, device: torch.device) -> float:
+    """dist.bucket_mb resolved: auto is DDP's 25 MB on CPU (measured faster under Gloo,
+    docs/benchmarks.md) and Horovod's per-cycle fusion on GPU. Sparse gradients take no groups
+    (Horovod's grouped allreduce refuses them, made dense or not), and neither do elastic runs
+    (validate() refuses an explicit size there)."""
+    if cfg.model.sparse_embeddings or cfg.elastic.enabled:
+        return 0
+    if cfg.dist.bucket_mb == -1:
+        return 25 if device.type == "cpu" else 0
+    return cfg.dist.bucket_mb
+
+
 def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
                     device: torch.device) -> torch.optim.Optimizer:
     return dist.distributed_optimizer(
         build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
         compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
-        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense)
+        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense, bucket_mb=bucket_mb_for(cfg, device))
 
 
 def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:

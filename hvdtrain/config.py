@@ -212,6 +212,8 @@ class DistConfig:
     """Horovod's stall inspector: shut the job down after a stall this long (above stall_warning_seconds); 0 = never."""
     sparse_as_dense: bool = False
     """Convert sparse gradients (model.sparse_embeddings) to dense before the allreduce; false = Horovod's sparse allgather."""
+    bucket_mb: float = -1
+    """Allreduce gradients in groups of about this many MB, in backward order, like DDP's buckets; 0 = each Horovod cycle fuses what is ready; -1 = auto: 25 on CPU, 0 on GPU, in elastic runs and with sparse embeddings."""
 
 
 @dataclass
@@ -455,6 +457,17 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    if cfg.dist.bucket_mb < 0 and cfg.dist.bucket_mb != -1:
+        raise ConfigError(f"config key 'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got {cfg.dist.bucket_mb}")
+    if cfg.dist.bucket_mb > 0 and cfg.elastic.enabled:
+        # Horovod's grouped DistributedOptimizer broadcasts the parameter order when it is built: a
+        # worker that joins a running elastic job would do that alone and wait forever.
+        raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with elastic.enabled=true "
+                          "(a joining worker would wait alone in the grouped optimizer's broadcast): "
+                          "leave dist.bucket_mb at -1 (auto) or 0")
+    if cfg.dist.bucket_mb > 0 and cfg.model.sparse_embeddings:
+        raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with model.sparse_embeddings=true "
+                          "(Horovod's grouped allreduce takes no sparse gradients): leave dist.bucket_mb at -1 (auto) or 0")
     if cfg.optim.base_lr <= 0:
         raise ConfigError(f"config key 'optim.base_lr' must be positive, got {cfg.optim.base_lr}")
     if cfg.optim.label_smoothing >= 1:

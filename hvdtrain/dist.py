@@ -44,9 +44,17 @@ CudaSyncBatchNorm = hvd.SyncBatchNorm
 # - OMPI_MCA_mpi_yield_when_idle: Open MPI spins at full speed in a blocking call unless it sees the
 #   host oversubscribed; with torch's threads on every core a spinning rank steals time from the
 #   compute of its own and the other ranks. Yielding gives the core back while waiting.
+# - HOROVOD_CYCLE_WAKE_ON_ENQUEUE (third_party/horovod-0.28.1.patch; Gloo controller only): start
+#   a cycle as soon as a gradient group arrives instead of sleeping out the cycle, and at once after
+#   a cycle that left tensors waiting for another rank (its coordination round then waits asleep
+#   until that rank is ready). The up to 20 ms the cycle added at the end of backward go.
+#   Not under MPI, whose coordination round would poll while it waits.
 CPU_ENV_DEFAULTS = {
     "HOROVOD_CYCLE_TIME": "20",
     "OMPI_MCA_mpi_yield_when_idle": "1",
+}
+CPU_GLOO_ENV_DEFAULTS = {
+    "HOROVOD_CYCLE_WAKE_ON_ENQUEUE": "1",
 }
 GPU_ENV_DEFAULTS: dict[str, str] = {}
 
@@ -65,6 +73,8 @@ GLOO_RENDEZVOUS = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 def apply_env_defaults(gpu: bool, elastic: bool = False) -> dict[str, str]:
     """Set hvdtrain's defaults for variables the environment leaves unset; returns the effective values."""
     defaults = dict(GPU_ENV_DEFAULTS if gpu else CPU_ENV_DEFAULTS)
+    if not gpu and GLOO_RENDEZVOUS in os.environ:
+        defaults.update(CPU_GLOO_ENV_DEFAULTS)
     if elastic:
         defaults.pop(ELASTIC_UNSAFE_ENV, None)
     for key, value in defaults.items():
@@ -278,20 +288,51 @@ def distributed_optimizer(
     backward_passes_per_step: int,
     op: str,
     sparse_as_dense: bool = False,
+    bucket_mb: float = 0,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are allreduced during backward.
 
     Sparse gradients (embeddings with ``sparse=True``) go through Horovod's sparse path, an
     allgather of every rank's indices and values, or with ``sparse_as_dense`` are made dense and
-    allreduced like the rest."""
+    allreduced like the rest. With ``bucket_mb`` the gradients go in groups of about that size
+    (``gradient_buckets``); the caller leaves it 0 where gradients may be sparse."""
+    named_parameters = list(named_parameters)
+    groups = None
+    if bucket_mb > 0 and op != "adasum":  # Horovod's Adasum optimizer takes no groups
+        groups = gradient_buckets([p for _, p in named_parameters], bucket_mb)
     return hvd.DistributedOptimizer(
         optimizer,
-        named_parameters=list(named_parameters),
+        named_parameters=named_parameters,
         compression=Compression.fp16 if compression == "fp16" else Compression.none,
         backward_passes_per_step=backward_passes_per_step,
         op=hvd.Adasum if op == "adasum" else hvd.Average,
         sparse_as_dense=sparse_as_dense,
+        groups=groups,
     )
+
+
+def gradient_buckets(parameters: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters in groups of at least ``bucket_mb`` MB (the last may be smaller),
+    in reverse registration order, which is about the order backward produces their gradients.
+
+    Horovod allreduces a group once all of its gradients are ready, as one fused allreduce: the
+    buckets of DistributedDataParallel. Without groups, every cycle (HOROVOD_CYCLE_TIME) fuses
+    whatever gradients happen to be ready, so one backward pass becomes many smaller allreduces,
+    each with its own negotiation; under Gloo on CPU that cost is measurable (docs/benchmarks.md).
+    A parameter that gets no gradient in a step leaves its group incomplete; Horovod then reduces
+    that group's gradients one by one in ``step()``, on every rank alike."""
+    limit = bucket_mb * 1e6
+    buckets: list[list[torch.nn.Parameter]] = [[]]
+    filled = 0
+    for parameter in reversed(parameters):
+        if not parameter.requires_grad:
+            continue
+        if filled >= limit:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(parameter)
+        filled += parameter.numel() * parameter.element_size()
+    return [bucket for bucket in buckets if bucket]
 
 
 def elastic_run(func):

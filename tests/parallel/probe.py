@@ -35,6 +35,8 @@ def main() -> None:
         "rank": dist.rank(), "size": dist.size(), "local_rank": dist.local_rank(),
         "controller": dist.controller(), "metrics": metrics, "step": run.state.position.step,
         "launcher_env": launcher_env(),
+        # Horovod's DistributedOptimizer: parameter -> the group its gradient is allreduced with.
+        "gradient_groups": len(set(getattr(run.state.optimizer, "_p_to_group", {}).values())),
     }, out / f"rank{dist.rank()}.pt")
 
 

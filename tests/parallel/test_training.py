@@ -73,7 +73,8 @@ def test_distributed_validation_equals_single_process_evaluation(tiny_data, tmp_
         assert metrics["loss"] == pytest.approx(logged["loss"], rel=1e-5)
 
 
-def test_n_ranks_reproduce_one_rank_with_n_times_the_batch(tiny_data, tmp_path):
+@pytest.mark.parametrize("buckets", ["dist.bucket_mb=0", "dist.bucket_mb=25"], ids=["cycle-fusion", "buckets"])
+def test_n_ranks_reproduce_one_rank_with_n_times_the_batch(buckets, tiny_data, tmp_path):
     # 2 ranks x 4 images must take the same optimizer steps as 1 rank x 8: the same global batches
     # in the same order, BatchNorm statistics over the global batch (SyncBN), averaged gradients.
     # Tiny BatchNorm batches make this network chaotic: float32 rounding (which depends on the
@@ -83,7 +84,8 @@ def test_n_ranks_reproduce_one_rank_with_n_times_the_batch(tiny_data, tmp_path):
     # the same run in float32 is 1.2e-2 apart, and without SyncBN 2.3 apart. The tolerance (atol
     # 1e-9) leaves a margin of ~3,000 below it and ~1e9 above it for broken semantics.
     common = ["model.sync_bn=true", "model.dtype=float64", "data.augment=false", "train.epochs=2",
-              "train.steps_per_epoch=3", "optim.base_lr=0.1", "optim.momentum=0.9", "optim.weight_decay=1e-4"]
+              "train.steps_per_epoch=3", "optim.base_lr=0.1", "optim.momentum=0.9", "optim.weight_decay=1e-4",
+              buckets]
     launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "two")]
            + tiny(tiny_data, tmp_path / "run2", "train.batch_size=4", *common), tmp_path)
     launch("single", 1, [str(PROBE), str(tmp_path / "one")]
@@ -91,6 +93,8 @@ def test_n_ranks_reproduce_one_rank_with_n_times_the_batch(tiny_data, tmp_path):
     two = load_ranks(tmp_path / "two", 2)[0]
     one = load_ranks(tmp_path / "one", 1)[0]
     assert two["step"] == one["step"] == 6
+    # resnet18's 89 MB of float64 gradients go in groups of >= 25 MB, or fused per Horovod cycle.
+    assert two["gradient_groups"] >= 3 if buckets == "dist.bucket_mb=25" else two["gradient_groups"] == 0
     compared = 0
     for key, value in one["state"].items():
         if value.is_floating_point():

@@ -44,10 +44,14 @@ def test_value_types_are_coerced_from_text_and_yaml(tmp_path):
     ("runtime.timeline_steps=20-10", "'runtime.timeline_steps': expected START-END with START < END"),
     ("runtime.timeline_steps=10-20", "'runtime.timeline_steps' needs runtime.timeline=PATH"),
     ("dist.straggler_threshold=-1", "'dist.straggler_threshold' must be >= 0"),
+    ("dist.bucket_mb=-2", "'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got -2"),
+    ("elastic.enabled=true dist.bucket_mb=25", "dist.bucket_mb=25 cannot be used with elastic.enabled=true"),
+    ("model.sparse_embeddings=true optim.weight_decay=0 dist.bucket_mb=8",
+     "dist.bucket_mb=8 cannot be used with model.sparse_embeddings=true"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:
-        load_config(None, [override])
+        load_config(None, override.split())
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message

@@ -5,16 +5,30 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
-from hvdtrain import dist
+from hvdtrain import builders, dist
+from hvdtrain.config import load_config
 from hvdtrain.config import ConfigError
 
 
 def test_cpu_defaults_fill_only_unset_variables(monkeypatch):
+    monkeypatch.delenv(dist.GLOO_RENDEZVOUS, raising=False)
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
     effective = dist.apply_env_defaults(gpu=False)
     assert effective == {"HOROVOD_CYCLE_TIME": "3", "OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def test_the_gloo_controller_on_cpu_starts_cycles_when_tensors_arrive(monkeypatch):
+    monkeypatch.delenv("HOROVOD_CYCLE_WAKE_ON_ENQUEUE", raising=False)
+    monkeypatch.delenv(dist.GLOO_RENDEZVOUS, raising=False)
+    assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in dist.apply_env_defaults(gpu=False)   # MPI controller
+    monkeypatch.setenv(dist.GLOO_RENDEZVOUS, "127.0.0.1")
+    assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in dist.apply_env_defaults(gpu=True)
+    assert dist.apply_env_defaults(gpu=False)["HOROVOD_CYCLE_WAKE_ON_ENQUEUE"] == "1"
+    monkeypatch.setenv("HOROVOD_CYCLE_WAKE_ON_ENQUEUE", "0")
+    assert dist.apply_env_defaults(gpu=False)["HOROVOD_CYCLE_WAKE_ON_ENQUEUE"] == "0"
 
 
 def test_gpu_keeps_horovods_own_defaults(monkeypatch):
@@ -26,6 +40,7 @@ def test_gpu_keeps_horovods_own_defaults(monkeypatch):
 
 
 def test_elastic_runs_keep_horovods_cycle_time(monkeypatch):
+    monkeypatch.delenv(dist.GLOO_RENDEZVOUS, raising=False)
     monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
     effective = dist.apply_env_defaults(gpu=False, elastic=True)
@@ -57,3 +72,25 @@ def test_an_unresolvable_hostname_stops_a_gloo_rank_before_horovod_starts(monkey
     monkeypatch.setattr(dist.hvd, "init", lambda: pytest.fail("hvd.init() ran"))
     with pytest.raises(ConfigError, match="this host's name 'no-such-host.invalid' does not resolve"):
         dist.init(gpu=False)
+
+
+def test_gradient_buckets_follow_backward_order_and_skip_frozen_parameters():
+    # resnet-like sizes in registration order: the last layers' gradients come first in backward.
+    sizes = [1000, 10, 10, 250_000, 10, 10, 500_000, 2000]          # float32 elements
+    parameters = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    parameters[1].requires_grad_(False)
+    buckets = dist.gradient_buckets(parameters, bucket_mb=1.0)      # 1 MB = 250,000 float32
+    assert [[p.numel() for p in bucket] for bucket in buckets] == [[2000, 500_000], [10, 10, 250_000], [10, 1000]]
+    assert all(p.requires_grad for bucket in buckets for p in bucket)
+    one = dist.gradient_buckets(parameters, bucket_mb=100)
+    assert len(one) == 1 and len(one[0]) == 7
+
+
+@pytest.mark.parametrize("overrides, device, expected", [
+    ([], "cpu", 25), ([], "cuda", 0), (["dist.bucket_mb=8"], "cuda", 8), (["dist.bucket_mb=0"], "cpu", 0),
+    (["model.sparse_embeddings=true", "optim.weight_decay=0"], "cpu", 0),
+    (["model.sparse_embeddings=true", "optim.weight_decay=0", "dist.sparse_as_dense=true"], "cpu", 0),
+    (["elastic.enabled=true"], "cpu", 0),
+])
+def test_bucket_size_auto_is_ddps_on_cpu_and_off_on_gpu_for_sparse_gradients_and_elastic_runs(overrides, device, expected):
+    assert builders.bucket_mb_for(load_config(None, overrides), torch.device(device)) == expected
