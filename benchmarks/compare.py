@@ -63,7 +63,8 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[int, list[str]]]:
 
 def job_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+    python_path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))  # the caller's stays after it
+    env.update({"PYTHONPATH": python_path, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                 "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"})
     if os.geteuid() == 0:  # containers run as root; Open MPI refuses that unless told
         env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})

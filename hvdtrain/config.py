@@ -459,15 +459,16 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
     if cfg.dist.bucket_mb < 0 and cfg.dist.bucket_mb != -1:
         raise ConfigError(f"config key 'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got {cfg.dist.bucket_mb}")
-    if cfg.dist.bucket_mb > 0 and cfg.elastic.enabled:
-        # Horovod's grouped DistributedOptimizer broadcasts the parameter order when it is built: a
-        # worker that joins a running elastic job would do that alone and wait forever.
-        raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with elastic.enabled=true "
-                          "(a joining worker would wait alone in the grouped optimizer's broadcast): "
-                          "leave dist.bucket_mb at -1 (auto) or 0")
-    if cfg.dist.bucket_mb > 0 and cfg.model.sparse_embeddings:
-        raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with model.sparse_embeddings=true "
-                          "(Horovod's grouped allreduce takes no sparse gradients): leave dist.bucket_mb at -1 (auto) or 0")
+    # Gradient groups and what rules them out. Horovod's grouped DistributedOptimizer broadcasts the
+    # parameter order when it is built, which a worker joining a running elastic job does alone.
+    ungroupable = {"elastic.enabled": (cfg.elastic.enabled, "a joining worker would wait alone in the grouped "
+                                                            "optimizer's broadcast"),
+                   "model.sparse_embeddings": (cfg.model.sparse_embeddings, "Horovod's grouped allreduce takes "
+                                                                            "no sparse gradients")}
+    for key, (enabled, why) in ungroupable.items():
+        if cfg.dist.bucket_mb > 0 and enabled:
+            raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with {key}=true ({why}): "
+                              "leave dist.bucket_mb at -1 (auto) or 0")
     if cfg.optim.base_lr <= 0:
         raise ConfigError(f"config key 'optim.base_lr' must be positive, got {cfg.optim.base_lr}")
     if cfg.optim.label_smoothing >= 1:
