@@ -31,8 +31,12 @@ def main() -> None:
     # The class (or an instance: TabularTask(hidden=64)); config.yaml; command-line overrides last.
     result = hvdtrain.fit(TabularTask(hidden=32), HERE / "config.yaml", overrides=sys.argv[1:])
     evaluated = hvdtrain.evaluate(result.run_dir / "checkpoints" / "last.pt")
-    print(json.dumps({"rank": result.rank, "size": result.size, "params": digest(result.model),
-                      "fit_val": result.metrics["val"], "evaluate": evaluated}), flush=True)
+    line = json.dumps({"rank": result.rank, "size": result.size, "params": digest(result.model),
+                       "fit_val": result.metrics["val"], "evaluate": evaluated})
+    # One write per line: print() writes the text and the newline apart when stdout is unbuffered, and
+    # mpirun, forwarding every rank's pipe, can then put another rank's line in between.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":  # loader workers (forkserver, spawn) import this file: train only when run

@@ -31,5 +31,5 @@ for index in range(6):
     total = dist.allreduce_sum(torch.ones(4), name=f"tensor_{index}")
     times.append(time.perf_counter() - began)
     assert float(total[0]) == dist.size()
-print(f"rank {dist.rank()}: median allreduce {statistics.median(times):.3f} s "
-      f"(wake {os.environ.get('HOROVOD_CYCLE_WAKE_ON_ENQUEUE', 'unset')})", flush=True)
+sys.stdout.write(f"rank {dist.rank()}: median allreduce {statistics.median(times):.3f} s "
+                 f"(wake {os.environ.get('HOROVOD_CYCLE_WAKE_ON_ENQUEUE', 'unset')})\n")

@@ -20,4 +20,4 @@ dist.init(gpu=False, stall_warning_seconds=warning, stall_shutdown_seconds=shutd
 if dist.rank() == 1:
     time.sleep(late)
 total = dist.allreduce_sum(torch.ones(4), name="late_tensor")
-print(f"rank {dist.rank()} done: {float(total[0])}", flush=True)
+sys.stdout.write(f"rank {dist.rank()} done: {float(total[0])}\n")

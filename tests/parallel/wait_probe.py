@@ -24,4 +24,4 @@ if dist.rank() == 1:
 wall, cpu = time.perf_counter(), time.thread_time()
 total = dist.allreduce_sum(torch.ones(4), name="late_tensor")
 wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-print(f"rank {dist.rank()} waited {wall:.3f} s wall, {cpu:.3f} s thread CPU, sum {float(total[0]):g}", flush=True)
+sys.stdout.write(f"rank {dist.rank()} waited {wall:.3f} s wall, {cpu:.3f} s thread CPU, sum {float(total[0]):g}\n")
