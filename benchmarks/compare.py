@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from hvdtrain.tools.bench import interval95  # noqa: E402
 BIN = Path(sys.executable).parent
 LOOP = REPO / "benchmarks" / "torch_loop.py"
 
@@ -89,13 +91,19 @@ def load() -> float:
 
 
 def summarize(samples: dict[str, list[float]]) -> dict[str, dict]:
+    """Medians, and each contender's ratio to its reference. Every round runs every contender once, so
+    run i of one is paired with run i of its reference: the machine's drift between rounds cancels
+    in those per-round ratios ("paired": their median, and their mean with a 95% interval). The
+    verdict against the target is on the paired median."""
     rows = {name: {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
             for name, v in samples.items()}
     for name, (reference, target) in TARGETS.items():
         if name in rows and reference in rows:
-            rows[name]["ratio_to"] = reference
-            rows[name]["ratio"] = rows[name]["median"] / rows[reference]["median"]
-            rows[name]["target"] = target
+            row = rows[name]
+            per_round = [v / r for v, r in zip(samples[name], samples[reference])]
+            row.update(ratio_to=reference, ratio=row["median"] / rows[reference]["median"], target=target,
+                       paired_ratios=per_round, paired=statistics.median(per_round))
+            row["paired_mean"], row["paired_ci95"] = interval95(per_round)
     scaling = {}
     for two, one in (("hvdtrain-2-gloo", "hvdtrain-1"), ("hvdtrain-2-mpi", "hvdtrain-1"), ("ddp-2", "raw")):
         if two in rows and one in rows:
@@ -104,14 +112,15 @@ def summarize(samples: dict[str, list[float]]) -> dict[str, dict]:
 
 
 def table(summary: dict) -> list[str]:
-    lines = [f"{'contender':<22} {'ranks':>5} {'median img/s':>13} {'min..max':>15}  ratio",
-             "-" * 78]
+    lines = [f"{'contender':<22} {'ranks':>5} {'median img/s':>13} {'min..max':>15}  ratio of medians; paired "
+             "per round: median, mean +- 95%", "-" * 108]
     for name, row in summary["contenders"].items():
         ratio = ""
         if "ratio" in row:
             target = row["target"]
-            verdict = "" if target is None else ("  ok" if row["ratio"] >= target else f"  BELOW target {target}")
-            ratio = f"{row['ratio']:.3f} of {row['ratio_to']}{verdict}"
+            verdict = "" if target is None else ("  ok" if row["paired"] >= target else f"  BELOW target {target}")
+            ratio = (f"{row['ratio']:.3f} of {row['ratio_to']}; paired {row['paired']:.3f}, "
+                     f"{row['paired_mean']:.3f} +- {row['paired_ci95']:.3f}{verdict}")
         lines.append(f"{name:<22} {row['ranks']:>5} {row['median']:>13.2f} "
                      f"{row['min']:>7.2f}..{row['max']:<7.2f}  {ratio}")
     lines.append("weak-scaling efficiency (2 ranks / (2 x 1 rank), same per-rank work):")
@@ -122,12 +131,17 @@ def table(summary: dict) -> list[str]:
 
 def markdown(summary: dict) -> list[str]:
     """The table as Markdown, for docs/benchmarks.md."""
-    lines = ["| contender | ranks | median img/s | min..max | ratio |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| contender | ranks | median img/s | min..max | ratio of medians | paired: median, mean +- 95% |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name, row in summary["contenders"].items():
-        ratio = f"{row['ratio']:.3f} of {row['ratio_to']}" if "ratio" in row else ""
+        ratio = paired = ""
+        if "ratio" in row:
+            ratio = f"{row['ratio']:.3f} of {row['ratio_to']}"
+            paired = f"{row['paired']:.3f}, {row['paired_mean']:.3f} +- {row['paired_ci95']:.3f}"
         if row.get("target") is not None:
-            ratio += f" (target {row['target']}: {'met' if row['ratio'] >= row['target'] else 'not met'})"
-        lines.append(f"| {name} | {row['ranks']} | {row['median']:.2f} | {row['min']:.2f}..{row['max']:.2f} | {ratio} |")
+            paired += f" (target {row['target']}: {'met' if row['paired'] >= row['target'] else 'not met'})"
+        lines.append(f"| {name} | {row['ranks']} | {row['median']:.2f} | {row['min']:.2f}..{row['max']:.2f} | {ratio} "
+                     f"| {paired} |")
     lines.append("")
     lines.append("| weak-scaling efficiency (2 ranks / (2 x 1 rank)) | |")
     lines.append("| --- | --- |")
@@ -151,7 +165,7 @@ def chart(summary: dict, settings: str, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(9, 4), dpi=80)
     axis.bar(names, medians, yerr=[low, high], color=colours, capsize=4)
     for x, (name, value) in enumerate(zip(names, medians)):
-        label = f"{value:.1f}" + (f"\n{rows[name]['ratio']:.2f}x" if "ratio" in rows[name] else "")
+        label = f"{value:.1f}" + (f"\n{rows[name]['paired']:.2f}x" if "paired" in rows[name] else "")
         axis.text(x, value * 0.5, label, ha="center", fontsize=8, color="white")
     axis.set_ylabel("images / s (median, min-max bars)")
     axis.set_title(settings, fontsize=10)

@@ -8,13 +8,17 @@ MiB (HOROVOD_FUSION_THRESHOLD), "a" pins Horovod's background thread (HOROVOD_TH
 bN sets dist.bucket_mb=N (gradients allreduced in groups of N MB; b0 = fused per Horovod cycle),
 "w" starts a cycle as soon as a tensor is queued (HOROVOD_CYCLE_WAKE_ON_ENQUEUE=1), "-w" keeps the
 fixed cycle. "hvd" runs the hand-written loop with hvd.DistributedOptimizer instead of hvdtrain.
+"section.key=value" passes that override to hvdtrain (runtime.cpu_affinity=none: threads left
+unbound). "@DIR" takes Horovod from DIR first (a build installed with pip install --target DIR),
+to set a patched or an older build against the installed one in the same rounds.
 
 Every round runs DDP and each variant once, in an order rotated every round. The machine's speed
 drifts between rounds (shared hosts), so besides each contender's median the sweep reports the
-median over rounds of each variant's ratio to DDP in the same round ("paired"), and the CPU
-seconds (user, system) each job used. On a host that is slowed down from outside, the same work
-takes more CPU seconds: a round is "steady" when every job in it used at most 5% more user CPU
-than that contender's least, and "steady" is the paired median over those rounds only.
+median over rounds of each variant's ratio to DDP in the same round ("paired"), the mean of those
+ratios with its 95% confidence interval (Student's t over rounds), and the CPU seconds (user,
+system) each job used. On a host that is slowed down from outside, the same work takes more CPU
+seconds: a round is "steady" when every job in it used at most 5% more user CPU than that
+contender's least, and "steady" is the paired median over those rounds only.
 """
 import argparse
 import resource
@@ -25,6 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import compare  # noqa: E402  (benchmarks/compare.py: the contenders' commands and environment)
+
+sys.path.insert(0, str(compare.REPO))
+from hvdtrain.tools.bench import interval95  # noqa: E402
 
 
 def variant_run(variant: str, every: dict[str, tuple[int, list[str]]]) -> tuple[list[str], dict[str, str]]:
@@ -40,7 +47,11 @@ def variant_run(variant: str, every: dict[str, tuple[int, list[str]]]) -> tuple[
     for setting in settings:
         if setting == "hvd":
             continue
-        if setting.startswith("f"):
+        if "=" in setting:
+            command.append(setting)
+        elif setting.startswith("@"):
+            env["PYTHONPATH"] = f"{setting[1:]}:{compare.REPO}"
+        elif setting.startswith("f"):
             env["HOROVOD_FUSION_THRESHOLD"] = str(int(setting[1:]) * 1024 * 1024)
         elif setting.startswith("b"):
             command.append(f"dist.bucket_mb={setting[1:]}")
@@ -82,14 +93,17 @@ def main() -> None:
     least = {name: min(u for u, _ in used) for name, used in cpu.items()}
     steady = [r for r in range(args.rounds) if all(cpu[name][r][0] <= 1.05 * least[name] for name in cpu)]
     print(f"\nsteady rounds: {steady}")
-    print(f"{'contender':<16} {'median':>7} {'ratio':>6} {'paired':>7} {'steady':>7}  {'user s':>6} {'sys s':>5}  per round")
+    print(f"{'contender':<16} {'median':>7} {'ratio':>6} {'paired':>7} {'mean paired':>15} {'steady':>7}  "
+          f"{'user s':>6} {'sys s':>5}  per round")
     for name, values in rates.items():
         ratios = [v / d for v, d in zip(values, rates["ddp-2"])]
         paired = statistics.median(ratios)
         calm = f"{statistics.median(ratios[r] for r in steady):7.3f}" if steady else "      -"
+        mean, half = interval95(ratios)
         user = statistics.median(u for u, _ in cpu[name])
         system = statistics.median(s for _, s in cpu[name])
-        print(f"{name:<16} {statistics.median(values):7.2f} {statistics.median(values) / ddp:6.3f} {paired:7.3f} {calm}  "
+        print(f"{name:<16} {statistics.median(values):7.2f} {statistics.median(values) / ddp:6.3f} {paired:7.3f} "
+              f"{mean:7.3f} +-{half:5.3f} {calm}  "
               f"{user:6.1f} {system:5.1f}  {[round(v, 2) for v in values]}")
 
 

@@ -36,9 +36,12 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def threads_per_rank(cfg: Config) -> int:
+def threads_per_rank(cfg: Config, own_cores: list[int] | None = None) -> int:
+    """runtime.threads, else this rank's own cores (runtime.cpu_affinity), else its share of the host's."""
     if cfg.runtime.threads > 0:
         return cfg.runtime.threads
+    if own_cores:
+        return len(own_cores)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, dist.local_size()))
 

@@ -231,6 +231,8 @@ class RuntimeConfig:
     """auto = CUDA when available, pinned by Horovod local rank."""
     threads: int = 0
     """torch intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
+    cpu_affinity: Literal["auto", "rank", "none"] = "auto"
+    """rank = each rank's threads (and loader workers) bound to its own block of the cores its host's ranks were started on; none = where the launcher put them; auto = rank on CPU unless the launcher bound the ranks itself, none on GPU and in elastic runs."""
     cudnn_benchmark: bool = True
     """Let cuDNN pick the fastest convolution algorithms (fixed input sizes)."""
     compile: bool = False
@@ -469,6 +471,9 @@ def validate(cfg: Config) -> None:
         if cfg.dist.bucket_mb > 0 and enabled:
             raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with {key}=true ({why}): "
                               "leave dist.bucket_mb at -1 (auto) or 0")
+    if cfg.runtime.cpu_affinity == "rank" and cfg.elastic.enabled:
+        raise ConfigError("runtime.cpu_affinity=rank cannot be used with elastic.enabled=true (the ranks on a host "
+                          "change as workers come and go): leave it at auto or none")
     if cfg.optim.base_lr <= 0:
         raise ConfigError(f"config key 'optim.base_lr' must be positive, got {cfg.optim.base_lr}")
     if cfg.optim.label_smoothing >= 1:

@@ -29,6 +29,7 @@ from .finetune import load_weights
 from .metrics import MetricSums, MetricsWriter
 from .observe import TimelineWindow, add_rank_report
 from .optim import LRSchedule
+from .placement import place_rank
 from .preemption import StopRequest
 from .state import RunState
 from .sysstats import StatsSampler
@@ -69,7 +70,8 @@ def setup(cfg: Config) -> Run:
     if not dist.is_primary():
         warnings.filterwarnings("ignore")
     device = pick_device(cfg)
-    threads = threads_per_rank(cfg)
+    own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
+    threads = threads_per_rank(cfg, own_cores)
     torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.runtime.cudnn_benchmark
@@ -101,6 +103,7 @@ def setup(cfg: Config) -> Run:
     world_size, passes = dist.size(), cfg.train.backward_passes_per_step
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
         f"device {device.type}, {threads} threads/rank"
+        + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
         + ("; ranks: " + ", ".join(f"{p.rank}={p.host}:{p.pid}" for p in peers[:16]) if peers else "")
         + (" ..." if len(peers) > 16 else "") + ("; elastic" if elastic else ""))
     if loaders.note:

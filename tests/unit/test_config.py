@@ -48,6 +48,8 @@ def test_value_types_are_coerced_from_text_and_yaml(tmp_path):
     ("elastic.enabled=true dist.bucket_mb=25", "dist.bucket_mb=25 cannot be used with elastic.enabled=true"),
     ("model.sparse_embeddings=true optim.weight_decay=0 dist.bucket_mb=8",
      "dist.bucket_mb=8 cannot be used with model.sparse_embeddings=true"),
+    ("elastic.enabled=true runtime.cpu_affinity=rank", "runtime.cpu_affinity=rank cannot be used with elastic"),
+    ("runtime.cpu_affinity=on", "config key 'runtime.cpu_affinity' expects one of auto, rank, none"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:

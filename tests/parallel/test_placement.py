@@ -1,0 +1,58 @@
+"""runtime.cpu_affinity on real 2-rank launches: every thread of a rank (the training thread,
+Horovod's background thread, Gloo's) on that rank's own block of the host's cores, and ranks that
+the launcher bound itself left where they are."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.helpers import BIN, JOB_TIMEOUT, REPO, job_env, launch
+
+AFFINITY_PROBE = REPO / "tests" / "parallel" / "affinity_probe.py"
+HOST_CORES = sorted(os.sched_getaffinity(0))
+
+pytestmark = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores: one for each rank")
+
+
+def rank_lines(output: str) -> list[dict]:
+    found = [json.loads(line[line.index("{"):]) for line in output.splitlines() if '{"rank"' in line]
+    return sorted(found, key=lambda line: line["rank"])
+
+
+def thread_cores(line: dict) -> set[tuple[int, ...]]:
+    return {tuple(cores) for cores in line["threads"].values()}
+
+
+@pytest.mark.parametrize("kind", ["horovodrun-gloo", "mpirun"])
+def test_each_rank_binds_every_thread_to_its_own_cores(kind, tmp_path):
+    result = launch(kind, 2, [str(AFFINITY_PROBE)], tmp_path)
+    ranks = rank_lines(result.stdout)
+    assert [line["rank"] for line in ranks] == [0, 1], result.stdout
+    blocks = []
+    for line in ranks:
+        assert len(line["threads"]) >= 3, line  # Horovod's threads were running before the binding
+        (block,) = thread_cores(line)  # one set for every thread
+        assert line["torch_threads"] == len(block)
+        blocks.append(block)
+    half = len(HOST_CORES) // 2 + len(HOST_CORES) % 2
+    assert list(blocks[0]) == HOST_CORES[:half] and list(blocks[1]) == HOST_CORES[half:]
+    assert f"threads/rank on its own {half} of the host's cores" in result.stdout
+
+
+def test_ranks_bound_by_the_launcher_or_with_affinity_none_stay_where_they_were(tmp_path):
+    # mpirun's own binding: each rank on one core already, different on each; hvdtrain leaves them.
+    command = ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "core", "-map-by", "core",
+               str(BIN / "python"), str(AFFINITY_PROBE)]
+    result = subprocess.run(command, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,
+                            timeout=JOB_TIMEOUT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    bound = [thread_cores(line) for line in rank_lines(result.stdout)]
+    assert len(bound) == 2 and all(len(cores) == 1 for cores in bound) and bound[0] != bound[1], bound
+    assert "of the host's cores" not in result.stdout
+    # runtime.cpu_affinity=none: every thread may run on every core, as launched.
+    result = launch("horovodrun-gloo", 2, [str(AFFINITY_PROBE), "runtime.cpu_affinity=none"], tmp_path)
+    assert [thread_cores(line) for line in rank_lines(result.stdout)] == [{tuple(HOST_CORES)}] * 2

@@ -1,0 +1,69 @@
+"""runtime.cpu_affinity's decisions (hvdtrain/placement.py); the binding of real launches is in
+tests/parallel/test_placement.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hvdtrain import placement
+
+
+@pytest.mark.parametrize("cores, size, blocks", [
+    ([0, 1], 2, [[0], [1]]),
+    ([0, 1, 2, 3, 4], 2, [[0, 1, 2], [3, 4]]),
+    ([4, 5, 6, 7, 8, 9, 10, 11], 4, [[4, 5], [6, 7], [8, 9], [10, 11]]),
+    ([3], 1, [[3]]),
+])
+def test_the_cores_split_in_order_by_local_rank(cores, size, blocks):
+    assert [placement.split_cores(cores, rank, size) for rank in range(size)] == blocks
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """Two local ranks on host "a" (this one is local rank 1) and what the other ranks report."""
+    bound = []
+    seen = {"everyone": []}
+    monkeypatch.setattr(placement.launcher, "host_name", lambda: "a")
+    monkeypatch.setattr(placement.dist, "local_rank", lambda: 1)
+    monkeypatch.setattr(placement.dist, "local_size", lambda: 2)
+    monkeypatch.setattr(placement.dist, "allgather_object", lambda obj, name=None: seen["everyone"])
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(placement, "bind_threads", bound.append)
+    return seen, bound
+
+
+def test_ranks_started_on_the_same_cores_take_a_block_each(host):
+    seen, bound = host
+    seen["everyone"] = [("a", [0, 1, 2, 3]), ("a", [0, 1, 2, 3]), ("b", [0, 5])]  # host b: not ours
+    assert placement.place_rank("auto", "cpu", elastic=False) == [2, 3]
+    assert bound == [[2, 3]]
+
+
+@pytest.mark.parametrize("mode, device, elastic, everyone", [
+    ("none", "cpu", False, None),
+    ("auto", "cuda", False, None),
+    ("auto", "cpu", True, None),
+    ("auto", "cpu", False, [("a", [0, 1]), ("a", [0, 1, 2, 3])]),  # bound by the launcher
+    ("rank", "cpu", False, [("a", [0, 1]), ("a", [0, 1, 2, 3])]),
+])
+def test_threads_stay_where_they_were(host, mode, device, elastic, everyone):
+    seen, bound = host
+    seen["everyone"] = everyone  # None: no collective may run
+    assert placement.place_rank(mode, device, elastic) is None
+    assert bound == []
+
+
+def test_bind_threads_moves_the_threads_already_running():
+    code = ("import json, os, threading, time; from hvdtrain.placement import bind_threads; "
+            "core = min(os.sched_getaffinity(0)); stop = threading.Event(); "
+            "worker = threading.Thread(target=stop.wait); worker.start(); bind_threads([core]); "
+            "print(json.dumps({t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')})); "
+            "stop.set()")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    threads = json.loads(result.stdout)
+    assert len(threads) >= 2 and len({tuple(cores) for cores in threads.values()}) == 1
+    assert len(next(iter(threads.values()))) == 1
