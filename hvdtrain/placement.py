@@ -4,15 +4,40 @@ horovodrun --gloo, and mpirun -bind-to none, start every rank of a host on all o
 the scheduler then moves each rank's compute thread, Horovod's background thread and Gloo's I/O
 thread from core to core, away from their caches. With affinity "rank", every rank of a host takes
 its own block of the cores it was started on (local rank 0 the first block) and binds all of its
-threads there; threads and loader workers started later inherit it. A launcher that already bound
-the ranks (mpirun's default -bind-to core, srun --cpu-bind) gives them different sets of cores:
-those are left alone.
+threads there; threads and loader workers started later inherit it. The cores are taken in the
+order of the machine's topology (NUMA node, package, physical core), so that a block holds whole
+physical cores, hyperthread siblings together, on as few NUMA nodes as it can: Linux numbers the
+second hyperthread of every core after all the first ones, and halving 0..2N-1 in numeric order
+would give each of 2 ranks one thread of every core. A launcher that already bound the ranks
+(mpirun's default -bind-to core, srun --cpu-bind) gives them different sets of cores: those are
+left alone.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from . import dist, launcher
+
+CPU_SYSFS = Path("/sys/devices/system/cpu")
+
+
+def topology_key(cpu: int, sysfs: Path | None = None) -> tuple[int, int, int, int]:
+    """(NUMA node, package, physical core, cpu) of a logical CPU, from sysfs (0s where it says nothing)."""
+    base = (sysfs or CPU_SYSFS) / f"cpu{cpu}"
+    nodes = sorted(int(entry.name[4:]) for entry in base.glob("node[0-9]*")) if base.is_dir() else []
+
+    def number(name: str) -> int:
+        try:
+            return int((base / "topology" / name).read_text())
+        except (OSError, ValueError):
+            return 0
+
+    return (nodes[0] if nodes else 0, number("physical_package_id"), number("core_id"), cpu)
+
+
+def topology_order(cores: list[int], sysfs: Path | None = None) -> list[int]:
+    return sorted(cores, key=lambda cpu: topology_key(cpu, sysfs))
 
 
 def split_cores(cores: list[int], local_rank: int, local_size: int) -> list[int]:
@@ -46,6 +71,6 @@ def place_rank(mode: str, device_type: str, elastic: bool) -> list[int] | None:
         return None  # the launcher bound the ranks already
     if len(started_on) < dist.local_size():
         return None  # fewer cores than ranks: no block for every rank
-    mine = split_cores(started_on, dist.local_rank(), dist.local_size())
+    mine = sorted(split_cores(topology_order(started_on), dist.local_rank(), dist.local_size()))
     bind_threads(mine)
     return mine

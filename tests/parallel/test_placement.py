@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from hvdtrain.placement import split_cores, topology_order
 from tests.helpers import BIN, JOB_TIMEOUT, REPO, job_env, launch
 
 AFFINITY_PROBE = REPO / "tests" / "parallel" / "affinity_probe.py"
@@ -38,9 +39,10 @@ def test_each_rank_binds_every_thread_to_its_own_cores(kind, tmp_path):
         (block,) = thread_cores(line)  # one set for every thread
         assert line["torch_threads"] == len(block)
         blocks.append(block)
-    half = len(HOST_CORES) // 2 + len(HOST_CORES) % 2
-    assert list(blocks[0]) == HOST_CORES[:half] and list(blocks[1]) == HOST_CORES[half:]
-    assert f"threads/rank on its own {half} of the host's cores" in result.stdout
+    order = topology_order(HOST_CORES)  # whole physical cores together (hvdtrain/placement.py)
+    assert blocks == [tuple(sorted(split_cores(order, rank, 2))) for rank in (0, 1)]
+    assert set(blocks[0]).isdisjoint(blocks[1]) and sorted(blocks[0] + blocks[1]) == HOST_CORES
+    assert f"threads/rank on its own {len(blocks[0])} of the host's cores" in result.stdout
 
 
 def test_ranks_bound_by_the_launcher_or_with_affinity_none_stay_where_they_were(tmp_path):

@@ -22,11 +22,41 @@ def test_the_cores_split_in_order_by_local_rank(cores, size, blocks):
     assert [placement.split_cores(cores, rank, size) for rank in range(size)] == blocks
 
 
+def fake_sysfs(root, cpus: dict[int, tuple[int, int, int]]):
+    """/sys/devices/system/cpu with cpu -> (NUMA node, package, core id)."""
+    for cpu, (node, package, core) in cpus.items():
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (root / f"cpu{cpu}" / f"node{node}").mkdir()
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_blocks_hold_whole_cores_on_one_numa_node(tmp_path):
+    # Linux numbers the second hyperthread of every core after the first ones: on one 4-core package
+    # CPUs 0-3 and 4-7 are siblings. Halving 0..7 in numeric order would give each rank half a core
+    # of every core; in topology order each rank gets 2 whole cores.
+    sysfs = fake_sysfs(tmp_path / "smt", {cpu: (0, 0, cpu % 4) for cpu in range(8)})
+    order = placement.topology_order(list(range(8)), sysfs)
+    assert [sorted(placement.split_cores(order, rank, 2)) for rank in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # Two sockets, one NUMA node each, with hyperthreads: 4 ranks, each on 2 whole cores of one node.
+    two = {cpu: (cpu // 4 % 2, cpu // 4 % 2, cpu % 4) for cpu in range(16)}
+    order = placement.topology_order(list(range(16)), fake_sysfs(tmp_path / "numa", two))
+    blocks = [sorted(placement.split_cores(order, rank, 4)) for rank in range(4)]
+    assert blocks == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+
+
+def test_without_topology_the_order_is_numeric(tmp_path):
+    assert placement.topology_order([3, 1, 2], tmp_path) == [1, 2, 3]
+
+
 @pytest.fixture
-def host(monkeypatch):
+def host(monkeypatch, tmp_path):
     """Two local ranks on host "a" (this one is local rank 1) and what the other ranks report."""
     bound = []
     seen = {"everyone": []}
+    monkeypatch.setattr(placement, "CPU_SYSFS", tmp_path)  # no topology: numeric order
     monkeypatch.setattr(placement.launcher, "host_name", lambda: "a")
     monkeypatch.setattr(placement.dist, "local_rank", lambda: 1)
     monkeypatch.setattr(placement.dist, "local_size", lambda: 2)
