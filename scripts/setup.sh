@@ -188,8 +188,10 @@ EOF
         ops="NCCL ops (CUDA $torch_cuda, $cuda_home, NCCL $nccl_home)"
         ops_id=nccl-cuda$torch_cuda
     else
-        # Keep CMake from picking up a stray toolkit: a CPU build must not need one.
-        build_env+=(HOROVOD_WITHOUT_GLOO_CUDA=1 HOROVOD_GPU_OPERATIONS= CUDAToolkit_ROOT=/nonexistent)
+        # Keep CMake from picking up a stray toolkit: a CPU build must not need one. With nvcc on the
+        # PATH, PyTorch's CUDA_HOME would still make the torch extension ask for it (patch item 5).
+        build_env+=(HOROVOD_WITHOUT_GLOO_CUDA=1 HOROVOD_GPU_OPERATIONS= CUDAToolkit_ROOT=/nonexistent
+                    HOROVOD_TORCH_WITHOUT_CUDA=1)
         ops="CPU (Gloo + MPI; no CUDA toolkit/NCCL, or HVDTRAIN_GPU_OPS=none)"
         ops_id=cpu
     fi
