@@ -30,9 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import compare  # noqa: E402  (benchmarks/compare.py: the contenders' commands and environment)
 
-sys.path.insert(0, str(compare.REPO))
-from hvdtrain.tools.bench import interval95  # noqa: E402
-
 
 def variant_run(variant: str, every: dict[str, tuple[int, list[str]]]) -> tuple[list[str], dict[str, str]]:
     settings = variant.split("+")
@@ -99,7 +96,7 @@ def main() -> None:
         ratios = [v / d for v, d in zip(values, rates["ddp-2"])]
         paired = statistics.median(ratios)
         calm = f"{statistics.median(ratios[r] for r in steady):7.3f}" if steady else "      -"
-        mean, half = interval95(ratios)
+        mean, half = compare.interval95(ratios)
         user = statistics.median(u for u, _ in cpu[name])
         system = statistics.median(s for _, s in cpu[name])
         print(f"{name:<16} {statistics.median(values):7.2f} {statistics.median(values) / ddp:6.3f} {paired:7.3f} "
