@@ -8,9 +8,12 @@ setup(
     package_data={"hvdtrain": ["configs/*.yaml"]},
     python_requires=">=3.9",
     # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
-    install_requires=["torch", "torchvision", "pyyaml", "tensorboardX", "tqdm", "numpy", "pillow", "simplejpeg",
-                      "psutil"],
-    extras_require={"mpi": ["mpi4py"], "report": ["matplotlib"],
+    # The versions scripts/setup.sh pins (tests/unit/test_supply_chain.py keeps the two in step).
+    # torch and torchvision have no version here: setup.sh pins them, except with
+    # HVDTRAIN_SYSTEM_TORCH=1, where an image's own torch is used and must not be replaced.
+    install_requires=["torch", "torchvision", "pyyaml==6.0.3", "tensorboardX==2.6.5", "tqdm==4.70.1",
+                      "numpy==2.4.6", "pillow==13.0.0", "simplejpeg==1.9.0", "psutil==7.2.2"],
+    extras_require={"mpi": ["mpi4py==4.1.2"], "report": ["matplotlib==3.11.2"],
                     # What only the tests need: the integrations they exercise for real (a real
                     # `mlflow server`, W&B offline, a two-node Ray cluster, a moto S3 server, shards read
                     # back by webdataset), the digits dataset (scikit-learn) and timm's models.

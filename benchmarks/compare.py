@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -74,13 +75,19 @@ def job_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_once(command: list[str], env: dict[str, str], timeout: int) -> float:
+AUDIT_LINE = re.compile(r"bench: cross-rank audit: ([\d.]+) ms each \((\d+) values\), ([\d.]+)% of one step")
+
+
+def run_once(command: list[str], env: dict[str, str], timeout: int) -> tuple[float, dict[str, float]]:
+    """One run's img/s, and what its cross-rank audit cost (hvdtrain on 2 ranks: ms, share of a step)."""
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     found = re.findall(r"images_per_sec=([\d.]+)", result.stdout)
     if result.returncode != 0 or not found:
         raise SystemExit(f"bench: '{' '.join(command)}' failed (exit {result.returncode}):\n"
                          f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
-    return float(found[-1])
+    audit = AUDIT_LINE.search(result.stdout)
+    return float(found[-1]), ({"ms": float(audit.group(1)), "values": int(audit.group(2)),
+                               "step_fraction": float(audit.group(3)) / 100} if audit else {})
 
 
 def load() -> float:
@@ -199,13 +206,16 @@ def main() -> None:
                 f"{args.steps} timed steps after {args.warmup_steps} warm-up, {args.rounds} rounds")
     print(f"bench: {settings}; {os.cpu_count()} CPUs; load {load():.2f} at start", flush=True)
     samples: dict[str, list[float]] = {n: [] for n in names}
+    audits: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     loads = [load()]
     start = time.perf_counter()
     for round_index in range(args.rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
-            value = run_once(every[name][1], env, args.timeout)
+            value, audit = run_once(every[name][1], env, args.timeout)
             samples[name].append(value)
+            if audit:
+                audits[name].append(audit)
             loads.append(load())
             print(f"bench: round {round_index + 1}/{args.rounds} {name:<22} {value:8.2f} img/s "
                   f"(load {loads[-1]:.2f}, {time.perf_counter() - start:.0f}s)", flush=True)
@@ -213,10 +223,18 @@ def main() -> None:
     for name in summary["contenders"]:
         summary["contenders"][name]["ranks"] = every[name][0]
     summary.update(settings=vars(args), load_1min=loads, seconds=time.perf_counter() - start,
-                   commands={n: every[n][1] for n in names})
+                   commands={n: every[n][1] for n in names},
+                   audit={n: {"ms": statistics.median(a["ms"] for a in found), "values": found[0]["values"],
+                              "step_fraction": statistics.median(a["step_fraction"] for a in found)}
+                          for n, found in audits.items() if found})
     print()
     for line in table(summary):
         print(line)
+    for name, audit in summary["audit"].items():
+        print(f"cross-rank audit, {name}: {audit['ms']:.1f} ms per audit ({audit['values']} values), "
+              f"{100 * audit['step_fraction']:.2f}% of one step (median over rounds); at the default, once per "
+              f"epoch and checkpoint, that is under 0.5% of the step time from "
+              f"{max(1, math.ceil(audit['step_fraction'] / 0.005))} steps per epoch on")
     print(f"load (1-min average) during the runs: {min(loads):.2f}..{max(loads):.2f}; "
           f"{summary['seconds'] / 60:.1f} minutes")
     out = Path(args.out)

@@ -45,10 +45,13 @@ fi
 # The Horovod wheels this checkout's setup built (.cache/setup/wheels), read-only at /wheelhouse in
 # the builder: one built from the same inputs (sdist, patch, torch, Python, OS, CPU ops) is installed
 # instead of compiled. HVDTRAIN_IMAGE_FROM_SOURCE=1 compiles it in the image all the same.
+# Their SHA-256 sums go along as a build argument: setup.sh installs a wheel of /wheelhouse only when
+# its sum is one of them (scripts/wheel-check.sh).
 wheels=$repo/.cache/setup/wheels
 volume=()
 if [[ -z ${HVDTRAIN_IMAGE_FROM_SOURCE:-} && -d $wheels ]]; then
-    volume=(-v "$wheels:/wheelhouse:ro")
+    sums=$(find "$wheels" -name 'horovod-*.whl' -type f -exec sha256sum {} + | cut -d' ' -f1 | paste -sd, -)
+    volume=(-v "$wheels:/wheelhouse:ro" --build-arg "HVDTRAIN_WHEELHOUSE_SHA256=$sums")
     log "the builder may reuse the Horovod wheels in $wheels (HVDTRAIN_IMAGE_FROM_SOURCE=1: compile instead)"
 fi
 log "building $image on $base (CPU: HVDTRAIN_GPU_OPS=none)"

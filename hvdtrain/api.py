@@ -104,16 +104,16 @@ def fit(task: TaskSource = None, config: ConfigSource = None, overrides: Iterabl
         cli.require_data_choice(None if config is None else "config", cfg)
         check_task(cfg)
         from . import dist  # torch and Horovod: after the config and the task are checked
-        from .run import LostRank, Preempted
+        from .run import JobStopped, Preempted
 
         try:
             run, last = cli.run_training(cfg)
         except Preempted as stop:
             raise SystemExit(stop.exit_code) from None
-        except LostRank as lost:
+        except JobStopped as lost:
             if lost.speak:
                 print(lost, file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+            raise SystemExit(lost.exit_code) from None
         return FitResult(model=run.state.model, metrics=last, run_dir=run.run_dir, config=cfg,
                          rank=dist.rank(), size=dist.size())
 
@@ -122,25 +122,46 @@ def evaluate(checkpoint: str | Path, overrides: Iterable[str] | Mapping[str, Any
              task: TaskSource = None) -> dict[str, Any]:
     """The validation metrics of a checkpoint, summed exactly over the ranks of this job (every rank
     gets them). The config comes from the checkpoint; ``overrides`` (``key=value`` strings or a dict)
-    change it (data.dir=..., runtime.threads=...); ``task`` replaces the recorded task, e.g. with the
-    class object when the checkpoint was written by a script that defines it."""
+    change it (data.dir=..., runtime.threads=...). A task of your own must be named here (``task``:
+    the class, an instance, or its ``task`` string), unless this process handed it to ``fit``
+    already: no code named only inside a checkpoint is imported (``checkpoint_config``)."""
     with one_line_errors():
-        from . import checkpoint as checkpoints  # torch: after the arguments are in
-
         path = Path(checkpoint)
-        cfg = from_dict(checkpoints.load(path)["config"])
-        if isinstance(overrides, Mapping):
-            apply_mapping(cfg, dict(overrides), source="evaluate(overrides=...)")
-        else:
-            for override in overrides:
-                apply_override(cfg, override)
-        if task is not None:
-            cfg.task = task if isinstance(task, str) else provide_task(task)
-        validate(cfg)
+        cfg = checkpoint_config(path, overrides, task, how="evaluate(..., task=MyTask) or task='my_task.py:MyTask'")
         check_task(cfg)
         from .run import evaluate_checkpoint
 
         return evaluate_checkpoint(cfg, path)
+
+
+def checkpoint_config(path: Path, overrides: Iterable[str] | Mapping[str, Any] = (), task: TaskSource = None,
+                      how: str = "--task my_task.py:MyTask") -> Config:
+    """The config that evaluates a checkpoint: the one it records, then ``overrides``, with the task
+    the caller names (``task``, or a ``task`` override) checked against the recorded one.
+
+    Names in a checkpoint are data, not code: a recorded task that is not built in is never
+    imported (tasks.checkpoint_task), and no other recorded value reaches an import (model.arch
+    names a torchvision or timm registry entry, everything else resolved by name is a fixed
+    choice)."""
+    from . import checkpoint as checkpoints  # torch: after the arguments are in
+    from .tasks import checkpoint_task
+
+    cfg = from_dict(checkpoints.load(path)["config"])
+    recorded = cfg.task
+    if isinstance(overrides, Mapping):
+        named_here = "task" in overrides
+        apply_mapping(cfg, dict(overrides), source="evaluate(overrides=...)")
+    else:
+        overrides = list(overrides)
+        named_here = any(text.split("=", 1)[0].strip() == "task" for text in overrides)
+        for override in overrides:
+            apply_override(cfg, override)
+    named = cfg.task if named_here else None
+    if task is not None:
+        named = task if isinstance(task, str) else provide_task(task)
+    cfg.task = checkpoint_task(recorded, named, str(path), how)
+    validate(cfg)
+    return cfg
 
 
 class one_line_errors:

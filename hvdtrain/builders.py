@@ -19,7 +19,7 @@ from .finetune import apply_freeze
 from .optim import LRSchedule, build_optimizer as build_named_optimizer
 from .sync_bn import convert_sync_batchnorm
 from .tasks import DataEnv, Task
-from .watchdog import LivenessService, Peer
+from .watchdog import LivenessService, Peer, listen_addresses
 
 
 def wants_gpu(cfg: Config) -> bool:
@@ -47,9 +47,12 @@ def threads_per_rank(cfg: Config, own_cores: list[int] | None = None) -> int:
 
 
 def build_peers(elastic: bool) -> tuple[LivenessService, list[Peer]]:
-    """Every rank's address and liveness port, known to every rank, to name a lost one later.
-    (Elastic runs leave lost workers to Horovod Elastic instead.)"""
-    liveness = LivenessService(dist.rank())
+    """Every rank's address, liveness port and token, known to every rank, to name a lost one later.
+    (Elastic runs leave lost workers to Horovod Elastic instead.)
+
+    The service listens where the other ranks reach this one (loopback when they all share this
+    host); its token travels with the address in the allgather, never on a command line."""
+    liveness = LivenessService(dist.rank(), listen_addresses(one_host=dist.cross_size() == 1))
     if elastic:
         return liveness, []
     return liveness, [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]

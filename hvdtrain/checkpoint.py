@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from .redact import mask_values
+
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
 FORMAT = 3  # 3: RunState.state_dict() + "ranks"; 2: "rng" and "rank_buffers" lists, "best_top1"
 NUMBERED = re.compile(r"^step-(\d+)\.pt$")
@@ -85,6 +87,8 @@ class CheckpointSaver:
         self.keep = keep
 
     def save(self, payload: dict[str, Any], is_best: bool) -> Path:
+        if "config" in payload:  # a password in a URL (tracking.mlflow.tracking_uri) is written as ***
+            payload = {**payload, "config": mask_values(payload["config"])}
         last = self.directory / "last.pt"
         if self.keep > 0:
             path = self.directory / f"step-{payload['step']:08d}.pt"

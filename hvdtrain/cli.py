@@ -18,8 +18,7 @@ from typing import Callable
 
 from . import launcher
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
-from .config import (PACKAGED_CONFIGS, Config, ConfigError, apply_override, dump_yaml, from_dict, load_config,
-                     validate)
+from .config import PACKAGED_CONFIGS, Config, ConfigError, dump_yaml, load_config
 from .data import DataError
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -73,16 +72,16 @@ def cmd_train(argv: list[str]) -> int:
             print(dump_yaml(cfg), end="")
         return 0
     require_data_choice(args.config, cfg)
-    from .run import LostRank, Preempted  # imports Horovod: keep --print-config fast
+    from .run import JobStopped, Preempted  # imports Horovod: keep --print-config fast
 
     try:
         run_training(cfg)
     except Preempted as stop:
         return stop.exit_code
-    except LostRank as lost:
+    except JobStopped as lost:
         if lost.speak:
             print(lost, file=sys.stderr, flush=True)
-        return 1
+        return lost.exit_code
     return 0
 
 
@@ -92,15 +91,14 @@ def cmd_evaluate(argv: list[str]) -> int:
         "line. The model and data settings come from the checkpoint's config; overrides may change them "
         "(data.dir=..., runtime.threads=...).")
     parser.add_argument("--checkpoint", required=True, help="checkpoint file, e.g. runs/x/checkpoints/last.pt")
+    parser.add_argument("--task", help="the task, when the checkpoint was written by a task of your own "
+                        "(module:Class or path/to/file.py:Class): hvdtrain imports no code a checkpoint names")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    from . import checkpoint  # imports torch: after the arguments are checked
+    from .api import checkpoint_config  # imports torch: after the arguments are checked
 
     path = Path(args.checkpoint)
-    cfg = from_dict(checkpoint.load(path)["config"])
-    for override in args.overrides:
-        apply_override(cfg, override)
-    validate(cfg)
+    cfg = checkpoint_config(path, args.overrides, args.task, how="--task my_task.py:MyTask or module:Class")
     from .run import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(cfg, path)

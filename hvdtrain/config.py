@@ -77,6 +77,8 @@ class DataConfig:
     """Batches each worker loads ahead."""
     on_bad_file: Literal["skip", "fail"] = "skip"
     """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
+    max_image_pixels: int = 89478485
+    """An image file of more pixels (width x height, read from its header) is a bad file, as data.on_bad_file says, for both decoders: a guard against decompression bombs; Pillow's limit by default; 0 = no limit."""
     index_cache: bool = True
     """Cache the file list of data.dir under $HVDTRAIN_CACHE (default ~/.cache/hvdtrain); false = scan at every start."""
     # Recommendation (MovieLens ratings.csv, u.data or ratings.dat in data.dir; empty = built-in data)
@@ -155,8 +157,12 @@ class TrainConfig:
     """Optimizer steps per epoch; 0 = the whole epoch (a cap for quick runs)."""
     backward_passes_per_step: int = 1
     """Batches accumulated locally before each allreduce and optimizer step."""
+    target: float = 0.0
+    """Stop at the end of the first epoch whose validation train.target_metric reaches this (at or above it where the task says higher is better, at or below where lower is: RMSE, loss), and record the time to it; 0 = off."""
+    target_metric: str = ""
+    """The validation metric train.target applies to, e.g. top1, ema_top1, rmse; empty = the one that picks best.pt (checkpoint.best_metric, else the task's)."""
     target_top1: float = 0.0
-    """Stop when the validation metric that picks best.pt (top-1 %, see checkpoint.best_metric) reaches this, and record the time to accuracy; 0 = off."""
+    """The old name of train.target (same meaning, kept for old configs); set one of the two."""
 
 
 @dataclass
@@ -170,7 +176,9 @@ class OptimConfig:
     weight_decay: float = 1e-4
     """Applied to weights only: biases and normalization parameters get none."""
     warmup_epochs: float = 5.0
-    """Linear warm-up from base_lr to the scaled learning rate over this many epochs."""
+    """Linear warm-up to the scaled learning rate over this many epochs, from the rate optim.warmup_start says."""
+    warmup_start: float = -1.0
+    """Where the warm-up starts, as a fraction of the scaled (peak) rate: 0 = from zero, 0.1 = a tenth of it; -1 = Goyal et al.: from the per-256 rate optim.base_lr, which is no warm-up at a global batch of 256 or less."""
     schedule: Literal["step", "cosine", "poly"] = "step"
     """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to optim.end_lr; poly: (1 - progress)^optim.poly_power to optim.end_lr (MLPerf)."""
     label_smoothing: float = 0.0
@@ -223,6 +231,8 @@ class AmpConfig:
     dtype: Literal["float16", "bfloat16"] = "float16"
     """float16 uses a GradScaler; bfloat16 needs none. On a CPU, only worth it with bf16/fp16 instructions
     (AVX512-BF16, AMX): on AVX2, autocast convolutions take PyTorch's slow path (resnet18 ran 27x slower)."""
+    max_skipped_steps: int = 50
+    """float16: steps the GradScaler may skip in a row (inf/NaN gradients; each halves the scale) before the run stops as diverged; 0 = no limit."""
 
 
 @dataclass
@@ -245,6 +255,10 @@ class RuntimeConfig:
     """Write Horovod's timeline (Chrome trace JSON, with cycle marks) to this file; empty = off."""
     timeline_steps: str = ""
     """Global steps to record in the timeline, as START-END (e.g. 100-120); empty = the whole run."""
+    audit: Literal["stop", "warn", "off"] = "stop"
+    """Cross-rank audit: at every checkpoint and epoch end (and every runtime.audit_every steps), compare a fingerprint of each rank's parameters, buffers, optimizer state and GradScaler with rank 0's; stop = end the job naming the first differing tensor and the ranks; warn = say so and go on."""
+    audit_every: int = 0
+    """Also audit every this many optimizer steps; 0 = at checkpoints and epoch ends only."""
     preemption_notice: Literal["none", "aws", "azure", "gcp"] = "none"
     """Poll this cloud's spot/preemption notice; on a notice every rank checkpoints and exits 75, as on SIGTERM (docs/cloud.md)."""
     preemption_notice_url: str = ""
@@ -401,17 +415,59 @@ def resolve_config_path(name_or_path: str) -> Path:
     raise ConfigError(f"config file '{name_or_path}' not found (give a path, or one of: {shipped})")
 
 
+# A config file is a few KB of keys (the largest shipped one is 2 KB). Larger files are refused before
+# parsing: PyYAML took 32 s and 854 MB on an 80 MB one, and reads about 100 KB/s of dense YAML. So is
+# nesting deeper than any config needs (sections are at most 3 deep): PyYAML's composer recurses
+# once per level, and a deep enough file ended in a RecursionError traceback.
+MAX_CONFIG_BYTES = 256 << 10
+MAX_CONFIG_DEPTH = 20
+
+
+class TooDeep(Exception):
+    pass
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that stops composing past MAX_CONFIG_DEPTH levels of nesting."""
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_CONFIG_DEPTH + 1:  # + 1: the value at the bottom is a node too
+                raise TooDeep
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def read_config_file(path: Path) -> Any:
+    """The YAML document of a config file, refused in one line when too large, too deep or invalid."""
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"cannot read config file '{path}': {error.strerror}") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file '{path}' is larger than {MAX_CONFIG_BYTES >> 10} KB: a config holds a few KB "
+                          "of keys (is it the right file?)")
+    try:
+        return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader: no Python objects
+    except TooDeep:
+        raise ConfigError(f"config file '{path}' nests more than {MAX_CONFIG_DEPTH} levels deep: a config has "
+                          "sections of keys (e.g. train: {epochs: 90}), at most 3 levels") from None
+    except (yaml.YAMLError, ValueError) as error:  # ValueError: e.g. an integer of more than 4300 digits
+        first = str(error).splitlines()[0].split("; use sys.")[0]
+        raise ConfigError(f"config file '{path}' is not valid YAML: {first}") from None
+
+
 def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file, then the overrides; validated."""
     cfg = Config()
     if config_file:
         path = resolve_config_path(config_file)
-        try:
-            mapping = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as error:
-            first = str(error).splitlines()[0]
-            raise ConfigError(f"config file '{path}' is not valid YAML: {first}") from None
-        apply_mapping(cfg, mapping, source=str(path))
+        apply_mapping(cfg, read_config_file(path), source=str(path))
     for override in overrides:
         apply_override(cfg, override)
     validate(cfg)
@@ -443,6 +499,8 @@ def validate(cfg: Config) -> None:
         "data.val_resize": cfg.data.val_resize,
         "runtime.threads": cfg.runtime.threads,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "runtime.audit_every": cfg.runtime.audit_every,
+        "amp.max_skipped_steps": cfg.amp.max_skipped_steps,
         "dist.timeout_seconds": cfg.dist.timeout_seconds,
         "checkpoint.keep": cfg.checkpoint.keep,
         "model.num_classes": cfg.model.num_classes,
@@ -455,10 +513,12 @@ def validate(cfg: Config) -> None:
         "dist.stall_warning_seconds": cfg.dist.stall_warning_seconds,
         "dist.stall_shutdown_seconds": cfg.dist.stall_shutdown_seconds,
         "data.shuffle_buffer": cfg.data.shuffle_buffer,
+        "data.max_image_pixels": cfg.data.max_image_pixels,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    check_upper_bounds(cfg)
     if cfg.dist.bucket_mb < 0 and cfg.dist.bucket_mb != -1:
         raise ConfigError(f"config key 'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got {cfg.dist.bucket_mb}")
     # Gradient groups and what rules them out. Horovod's grouped DistributedOptimizer broadcasts the
@@ -471,9 +531,16 @@ def validate(cfg: Config) -> None:
         if cfg.dist.bucket_mb > 0 and enabled:
             raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with {key}=true ({why}): "
                               "leave dist.bucket_mb at -1 (auto) or 0")
+    if cfg.checkpoint.every_steps and cfg.elastic.enabled:
+        raise ConfigError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} cannot be used with elastic.enabled=true "
+                          "(elastic runs commit their state in memory every elastic.commit_every_steps steps and "
+                          "checkpoint at each epoch end): set checkpoint.every_steps=0")
     if cfg.runtime.cpu_affinity == "rank" and cfg.elastic.enabled:
         raise ConfigError("runtime.cpu_affinity=rank cannot be used with elastic.enabled=true (the ranks on a host "
                           "change as workers come and go): leave it at auto or none")
+    if not (cfg.optim.warmup_start == -1 or 0 <= cfg.optim.warmup_start <= 1):
+        raise ConfigError(f"config key 'optim.warmup_start' is a fraction of the peak rate in [0, 1], or -1 "
+                          f"(from optim.base_lr), got {cfg.optim.warmup_start}")
     if cfg.optim.base_lr <= 0:
         raise ConfigError(f"config key 'optim.base_lr' must be positive, got {cfg.optim.base_lr}")
     if cfg.optim.label_smoothing >= 1:
@@ -506,6 +573,45 @@ def validate(cfg: Config) -> None:
     if cfg.tracking.log_checkpoints != "none" and not (cfg.tracking.wandb.enabled or cfg.tracking.mlflow.enabled):
         raise ConfigError(f"config key 'tracking.log_checkpoints={cfg.tracking.log_checkpoints}' needs a tracker "
                           "(tracking.wandb.enabled=true or tracking.mlflow.enabled=true)")
+
+
+# Upper bounds of the keys that start processes or threads or allocate in proportion to their value:
+# beyond them a typo (workers=100000, image_size=100000, threads=1000000) hung for minutes or ended
+# in an allocator traceback. Absolute numbers, not multiples of this machine's cores, so that a
+# config valid on a login node is valid on the compute nodes; each far above real use.
+UPPER_BOUNDS = {
+    # A 2-socket node has about 256 hardware threads for all of its ranks.
+    "data.workers": (256, "loader processes per rank"),
+    # Training activations grow with the pixels: ResNet-50 needs about 0.1 GB per 224 px image, so
+    # one 4096 px image some 30 GB; larger images fit no GPU.
+    "data.image_size": (4096, "pixels a side"),
+    "data.val_image_size": (4096, "pixels a side"),
+    "data.min_res": (4096, "pixels a side"),
+    "data.max_res": (4096, "pixels a side"),
+    "data.val_resize": (8192, "pixels, the resize before the center crop"),
+    "augment.pad": (4096, "pixels on each side"),
+    # 2 to 4 batches in flight keep a loader busy; more only hold memory.
+    "data.prefetch_factor": (64, "batches each worker loads ahead"),
+    # Image tasks fit a few hundred per GPU; recommenders use up to 2^20 (MLPerf NCF's global batch).
+    "train.batch_size": (1 << 20, "samples per rank"),
+    # 45x ImageNet-21k; a 2048-wide head is then 8 GB of float32, mixup's soft targets more.
+    "model.num_classes": (1_000_000, "classes"),
+    "model.embedding_dim": (65536, "factors per row; recommenders use tens to hundreds"),
+    "data.negatives": (1000, "per positive; He et al. 2017 use 4"),
+    "data.eval_negatives": (100_000, "per held-out item; the usual protocol ranks 100"),
+    "augment.magnitude_bins": (1024, "levels; RandAugment uses 31"),
+    "augment.num_ops": (64, "operations per image; RandAugment uses 2"),
+    # The largest machines have about 1000 hardware threads.
+    "runtime.threads": (1024, "torch threads per rank"),
+}
+
+
+def check_upper_bounds(cfg: Config) -> None:
+    for key, (bound, unit) in UPPER_BOUNDS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value > bound:
+            raise ConfigError(f"config key '{key}' must be at most {bound} ({unit}), got {value}")
 
 
 def validate_recommendation(cfg: Config) -> None:
@@ -572,6 +678,7 @@ def validate_recipes(cfg: Config) -> None:
     for key, value in (("optim.end_lr", optim.end_lr), ("optim.lars_eta", optim.lars_eta),
                        ("optim.eps", optim.eps), ("augment.mixup_alpha", augment.mixup_alpha),
                        ("augment.cutmix_alpha", augment.cutmix_alpha), ("train.target_top1", cfg.train.target_top1),
+                       ("train.target", cfg.train.target),
                        ("data.min_res", data.min_res), ("data.max_res", data.max_res),
                        ("data.start_ramp", data.start_ramp), ("data.end_ramp", data.end_ramp),
                        ("data.val_image_size", data.val_image_size)):
@@ -596,11 +703,23 @@ def validate_recipes(cfg: Config) -> None:
     if data.max_res and data.min_res < data.max_res and data.end_ramp <= data.start_ramp:
         raise ConfigError(f"config key 'data.end_ramp' ({data.end_ramp}) must exceed data.start_ramp "
                           f"({data.start_ramp}) when data.min_res < data.max_res")
-    best = cfg.checkpoint.best_metric
-    if best.startswith("ema_") and not ema.decay:
-        raise ConfigError(f"checkpoint.best_metric={best} needs the EMA (set ema.decay, e.g. 0.9998)")
+    if cfg.train.target and cfg.train.target_top1:
+        raise ConfigError("train.target and train.target_top1 are both set: train.target_top1 is the old name of "
+                          "train.target, keep only train.target")
+    for key, name in (("checkpoint.best_metric", cfg.checkpoint.best_metric),
+                      ("train.target_metric", cfg.train.target_metric)):
+        if name.startswith("ema_") and not ema.decay:
+            raise ConfigError(f"{key}={name} needs the EMA (set ema.decay, e.g. 0.9998)")
+    if cfg.train.target_metric and not target_value(cfg):
+        raise ConfigError(f"train.target_metric={cfg.train.target_metric} is set but train.target is 0 (off): "
+                          "set train.target too")
     if cfg.eval.ema and not ema.decay:
         raise ConfigError("eval.ema=true needs a checkpoint trained with the EMA (ema.decay > 0)")
+
+
+def target_value(cfg: Config) -> float:
+    """``train.target``, or its old name ``train.target_top1``; 0 = no target."""
+    return cfg.train.target or cfg.train.target_top1
 
 
 def step_range(text: str) -> tuple[int, int] | None:
@@ -626,7 +745,11 @@ def from_dict(mapping: dict[str, Any]) -> Config:
 
 
 def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML for people and files (--print-config, config.yaml): a password in a URL
+    shows as *** (redact.py)."""
+    from .redact import mask_values
+
+    return yaml.safe_dump(mask_values(to_dict(cfg)), sort_keys=False)
 
 
 def describe_keys() -> list[tuple[str, str, Any, str]]:

@@ -1,4 +1,5 @@
-"""The one module that talks to Horovod.
+"""The one module that talks to Horovod's training side (horovod.torch; ray_launch.py uses
+horovod.runner to place ranks and serve the Gloo rendezvous on a Ray cluster).
 
 Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_state(s)``,
 never ``hvd`` directly. Every collective here is correct at world size 1 as well, so the same
@@ -119,6 +120,35 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
     if not hvd.is_initialized():
         apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu, elastic=elastic)
         hvd.init()
+        if join_problem():
+            hvd.join = refuse_join  # a task's own hvd.join() stops with the line, not a hang
+
+
+def join_problem() -> str | None:
+    """Why ``hvd.join`` cannot work on this host, or None.
+
+    A Horovod built with GPU operations runs join through its GPU code path even for CPU tensors:
+    on a host without a GPU driver it hangs under Gloo (one rank waits in the next collective, the
+    other in join, forever) and fails under MPI ("Could not dlopen libcuda.so")."""
+    if (hvd.nccl_built() or hvd.cuda_built()) and not torch.cuda.is_available():
+        return ("join is not available here: this Horovod was built with GPU operations (NCCL), and on a "
+                "host without a GPU driver join hangs under Gloo and fails under MPI; rebuild it with CPU "
+                "operations (HVDTRAIN_GPU_OPS=none make setup; make setup's auto does so where no driver is "
+                "found) or run on a GPU host")
+    return None
+
+
+def refuse_join(device: int = -1) -> int:
+    raise ConfigError(join_problem() or "join is not available here")
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more batches (uneven inputs): its allreduces count as zeros for the others
+    until every rank has joined. Blocks until then; returns the rank that joined last."""
+    problem = join_problem()
+    if problem:
+        raise ConfigError(problem)
+    return hvd.join(device)
 
 
 def stall_inspector_env(warning_seconds: int, shutdown_seconds: int) -> dict[str, str]:

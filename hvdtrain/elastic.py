@@ -39,8 +39,9 @@ from .config import Config, ConfigError
 from .engine import train_one_epoch
 from .optim import LRSchedule
 from .preemption import StopRequest
-from .run import Outputs, Run, end_epoch, finish, log, resume_locally, setup, stop_for_preemption
+from .run import Outputs, Run, audit_ranks, end_epoch, finish, log, resume_locally, setup, stop_for_preemption
 from .state import RunState
+from .trainer import Progress
 
 
 class SampleLog:
@@ -173,6 +174,9 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
     if cfg.data.synthetic:
         raise ConfigError("elastic.enabled=true needs a dataset (data.synthetic=false)")
     run = setup(cfg)
+    log(f"hvdtrain: elastic: no watchdog; Horovod Elastic replaces a worker that exits, and a collective that "
+        f"hangs fails after {max(30, cfg.dist.timeout_seconds)} s (Gloo's timeout, dist.timeout_seconds), which "
+        f"rolls the job back to its last commit")
     resume_locally(run)
     samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
     elastic_state = ElasticState(run.state, len(run.task.sum_fields), samples)
@@ -195,6 +199,8 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
             loaders.train_sampler.set_epoch(position.epoch, start=position.samples_in_epoch)
             if samples is not None:
                 samples.start(loaders.train_sampler.indices())
+            progress = Progress(position.epoch, cfg.train.epochs, steps, first=position.step_in_epoch) \
+                if cfg.output.progress and dist.is_primary() else None
 
             # Metric sums of the epoch's committed steps (global), and this call's own (local).
             committed_before = es.train_sums.clone()
@@ -207,17 +213,23 @@ def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
                 position.samples_in_epoch += min(run.global_batch, loaders.train_size - position.samples_in_epoch)
                 if samples is not None:
                     samples.record(position.epoch, position.step, run.global_batch // dist.size())
+                if cfg.runtime.audit_every and position.step % cfg.runtime.audit_every == 0:
+                    audit_ranks(run, f"global step {position.step}")
                 if position.step % cfg.elastic.commit_every_steps == 0:
                     es.train_sums = epoch_sums()
                     es.commit()
                 if run.timeline is not None:
                     run.timeline.at_step(position.step)
+                if progress is not None:
+                    progress.update(run, position.step_in_epoch - 1)
                 out.after_step(run, sums)
 
             if run.stats is not None:
                 run.stats.take_epoch()  # the epoch's statistics cover its training
             train_metrics = train_one_epoch(state, run.settings, loaders.train, steps, dist.allreduce_sum,
                                             on_step=after_step, should_stop=stop.agreed, sums=sums)
+            if progress is not None:
+                progress.close()
             train_metrics.update(run.task.summarize(epoch_sums()))  # the whole epoch, across resets
             if train_metrics["stopped"]:
                 stop_for_preemption(run, out, stop, steps)

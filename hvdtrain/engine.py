@@ -25,6 +25,74 @@ from .tasks import Task
 AllreduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
+class JobStopped(Exception):
+    """The run cannot go on (it diverged, a rank was lost, the ranks disagree): one line, printed by
+    the rank whose ``speak`` is set; the CLI exits with ``exit_code``."""
+
+    exit_code = 1
+
+    def __init__(self, line: str, speak: bool):
+        super().__init__(line)
+        self.speak = speak
+
+
+class FiniteGuard:
+    """Stops a run whose training has become non-finite (a loss or gradients of inf/NaN: a learning
+    rate too high, an overflow) before anything of it is saved.
+
+    It looks at the *averaged* gradients, which are the same on every rank, so every rank reaches
+    the same verdict at the same step without a collective of its own: one small gradient (the last
+    trainable parameter's, which every loss reaches) is checked after the allreduce. With a
+    GradScaler (fp16 AMP) a non-finite step is skipped rather than applied, as AMP intends; only
+    ``amp.max_skipped_steps`` skips in a row mean divergence. The verdict stays on the device and
+    is read (a host sync) every ``check_every`` steps, at the epoch end and before every checkpoint;
+    the line names the first bad step."""
+
+    def __init__(self, device: torch.device, check_every: int, max_skipped: int):
+        self.check_every, self.max_skipped = check_every, max_skipped
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)   # step that went non-finite
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)        # GradScaler skips in a row
+        self.probe: torch.Tensor | None = None
+
+    def probe_grad(self, model: torch.nn.Module) -> torch.Tensor | None:
+        if self.probe is None or self.probe.grad is None:
+            self.probe = next((p for p in reversed(list(model.parameters())) if p.grad is not None), None)
+        if self.probe is None:
+            return None
+        grad = self.probe.grad
+        return grad._values() if grad.is_sparse else grad
+
+    def after_allreduce(self, model: torch.nn.Module, step: int) -> None:
+        """Without a GradScaler: note the step if its averaged gradients are not finite."""
+        grad = self.probe_grad(model)
+        if grad is not None:
+            bad = ~torch.isfinite(grad).all()
+            self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
+
+    def after_scaler_update(self, old_scale: torch.Tensor, new_scale: torch.Tensor, step: int) -> None:
+        """With a GradScaler: a lowered scale is a skipped step; too many in a row is divergence."""
+        skipped = new_scale < old_scale
+        self.skipped = torch.where(skipped, self.skipped + 1, torch.zeros_like(self.skipped))
+        if self.max_skipped:
+            over = self.skipped >= self.max_skipped
+            self.first_bad = torch.where(over & (self.first_bad < 0), step - self.max_skipped + 1, self.first_bad)
+
+    def check(self, step: int | None = None) -> None:
+        """Raise ``JobStopped`` on every rank if training has gone non-finite (a host sync); with
+        ``step``, only every ``check_every`` steps."""
+        if step is not None and step % self.check_every:
+            return
+        first = int(self.first_bad)
+        if first < 0:
+            return
+        cause = (f"the GradScaler skipped {self.max_skipped} steps in a row from global step {first + 1} on "
+                 f"(inf/NaN gradients at every scale; amp.max_skipped_steps)" if int(self.skipped) >= self.max_skipped
+                 and self.max_skipped else f"the averaged gradients became inf/NaN at global step {first + 1}")
+        raise JobStopped(f"hvdtrain: training diverged: {cause}. Nothing of it was saved: the last checkpoint "
+                         f"is the last finite state. Lower optim.base_lr, lengthen optim.warmup_epochs or set "
+                         f"optim.clip_grad_norm, then resume or start again", speak=dist.is_primary())
+
+
 @dataclass
 class StepSettings:
     """How the run steps: fixed for a run, except the schedule (elastic runs rescale it)."""
@@ -40,6 +108,7 @@ class StepSettings:
     seed: int = 0                              # cfg.seed: batch-level random augmentation derives from it
     # Called with the state after every optimizer step, on every rank (e.g. the model EMA's update).
     after_optimizer_step: list[Callable[[RunState], None]] = field(default_factory=list)
+    guard: FiniteGuard | None = None           # stops a run gone non-finite (None: no check)
 
     def lr_at(self, state: RunState) -> float:
         """The rate for the next step: a function of the position in the epoch, so that it stays
@@ -70,11 +139,13 @@ def optimizer_step(state: RunState, settings: StepSettings, clock: StepClock = N
     rank takes the same decision to skip a step on inf/NaN. (Without a scaler or clipping this is
     what Horovod's own ``step()`` does, with the wait made visible to ``clock``.)
     """
-    optimizer, scaler = state.optimizer, state.scaler
+    optimizer, scaler, guard = state.optimizer, state.scaler, settings.guard
     dist.synchronize(optimizer)
     clock.lap("allreduce")
     if scaler is not None:
         scaler.unscale_(optimizer)
+    elif guard is not None:
+        guard.after_allreduce(state.model, state.position.step)
     if settings.clip_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(state.model.parameters(), settings.clip_grad_norm)
     with dist.skip_synchronize(optimizer):
@@ -83,7 +154,10 @@ def optimizer_step(state: RunState, settings: StepSettings, clock: StepClock = N
         else:
             optimizer.step()
     if scaler is not None:
+        old_scale = scaler._scale.clone() if guard is not None and scaler._scale is not None else None
         scaler.update()
+        if old_scale is not None:
+            guard.after_scaler_update(old_scale, scaler._scale, state.position.step)
     optimizer.zero_grad()
     clock.lap("optimizer")
 
@@ -148,12 +222,16 @@ def train_one_epoch(
         optimizer_step(state, settings, clock)
         position.step += 1
         position.step_in_epoch += 1
+        if settings.guard is not None:
+            settings.guard.check(position.step)  # before anything sees the new weights
         for hook in settings.after_optimizer_step:
             hook(state)
         if on_step is not None:
             on_step(state)
         clock.end()
     seconds = time.perf_counter() - start
+    if settings.guard is not None:
+        settings.guard.check()
     metrics: dict[str, Any] = task.summarize(sums.reduced(allreduce_sum))
     wait = allreduce_sum(torch.tensor([data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
     metrics.update(seconds=seconds, lr=lr, samples_per_sec=metrics["samples"] / max(seconds, 1e-9),

@@ -4,8 +4,10 @@ classifier head.
 * ``model.weights`` is a torchvision weights name (``IMAGENET1K_V1``, ``DEFAULT``,
   ``ResNet50_Weights.IMAGENET1K_V2``), resolved through torchvision's own weight enums and read
   from torch's hub cache (``torch.hub.get_dir()/checkpoints/<file>``), downloaded there first when
-  it is missing; or a local file: a plain state dict, a torchvision reference-script or timm
-  checkpoint (``model`` / ``state_dict`` key), a ``.safetensors`` file, or an hvdtrain checkpoint.
+  it is missing (and kept only when its SHA-256 starts with the hash prefix in torchvision's file
+  name, as ``torch.hub.load_state_dict_from_url(check_hash=True)`` checks); or a local file: a
+  plain state dict, a torchvision reference-script or timm checkpoint (``model`` / ``state_dict``
+  key), a ``.safetensors`` file, or an hvdtrain checkpoint.
   Files are read with ``weights_only=True`` (nothing but tensors and plain values is unpickled).
 * Rank 0 loads them into its freshly built model on a fresh run (never over a checkpoint being
   resumed); the broadcast of the initial state in ``run.resume_and_broadcast`` gives every rank
@@ -32,6 +34,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .config import ConfigError, ModelConfig
+from .data.file_index import sha256_file
 from .model import TIMM_PREFIX, import_timm
 
 WEIGHT_FILE_SUFFIXES = (".pt", ".pth", ".pth.tar", ".bin", ".ckpt", ".safetensors")
@@ -144,19 +147,38 @@ def torchvision_weights_file(arch: str, spec: str) -> tuple[Path, str]:
 def fetch_torchvision_weights(arch: str, spec: str,
                               download: Callable[[str, str], None] | None = None) -> Path:
     """The cached file, downloaded into torch's hub cache when missing; offline, one line saying
-    where to put it by hand."""
+    where to put it by hand. A download whose SHA-256 does not start with the prefix torchvision
+    publishes in the file name (``resnet18-f37072fd.pth``) is deleted and refused in one line: it
+    never reaches the cache, where later runs would load it unchecked."""
     path, url = torchvision_weights_file(arch, spec)
     if path.is_file():
         return path
     download = download or (lambda source, target: torch.hub.download_url_to_file(source, target, progress=False))
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        download(url, str(path))
+        download(url, str(partial))
     except Exception as error:  # URLError, HTTPError, OSError, timeouts...
+        partial.unlink(missing_ok=True)
         reason = (str(error).splitlines() or [type(error).__name__])[0][:100]
         raise WeightsError(f"model.weights={spec}: cannot download {path.name} ({reason}); fetch {url} on a machine "
                            f"with network and place it at {path}") from None
+    expected = published_hash_prefix(path.name)
+    digest = sha256_file(partial)
+    if expected and not digest.startswith(expected):
+        partial.unlink()
+        raise WeightsError(f"model.weights={spec}: the download of {url} has SHA-256 {digest[:16]}..., not "
+                           f"torchvision's {expected}... (a corrupted or tampered file; it was deleted): try "
+                           f"again, or fetch it yourself, check it and place it at {path}")
+    os.replace(partial, path)
     return path
+
+
+def published_hash_prefix(file_name: str) -> str:
+    """The SHA-256 prefix torchvision's weight files carry in their name (torch.hub's HASH_REGEX):
+    ``resnet18-f37072fd.pth`` -> ``f37072fd``; "" for a name without one."""
+    match = torch.hub.HASH_REGEX.search(file_name)
+    return match.group(1) if match else ""
 
 
 def timm_offline_hint(arch: str, spec: str) -> WeightsError:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 import typing
 from typing import Any, Literal
 
@@ -27,11 +29,20 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# Values quoted in messages are shortened: a YAML file can hand a key a megabyte string, or a list
+# nested (through anchors) deeper than repr's recursion allows.
+SHORT = reprlib.Repr()
+SHORT.maxstring = SHORT.maxother = 80
+SHORT.maxlevel = 3
+# Longer unknown keys get no "did you mean": no key is near one (the longest is about 40 characters).
+MAX_SUGGESTED_LENGTH = 100
+
+
 def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     """Turn ``value`` into ``tp`` or raise a one-line ConfigError naming ``key``."""
 
     def bad() -> ConfigError:
-        return ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
+        return ConfigError(f"config key '{key}' expects {type_name(tp)}, got {SHORT.repr(value)}")
 
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
@@ -52,13 +63,20 @@ def coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
         if isinstance(value, bool):
             raise bad()
         if isinstance(value, exact):
-            return tp(value)
-        if isinstance(value, str):
+            number = tp(value)
+        elif isinstance(value, str):
             try:
-                return tp(value)
-            except ValueError:
+                number = tp(value)
+            except ValueError:  # also an int of more than 4300 digits
                 raise bad() from None
-        raise bad()
+        else:
+            raise bad()
+        # YAML's .nan/.inf and the text "nan", "inf", "-inf" parse as floats; no key means them (a
+        # nan learning rate trains to a nan loss and exits 0), and a comparison with nan is always
+        # false, so the range checks of validate() would let it through.
+        if tp is float and not math.isfinite(number):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {SHORT.repr(value)}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -76,7 +94,7 @@ def set_key(cfg: Any, dotted: str, value: Any, from_text: bool) -> None:
         prefix = ".".join(parts[:depth])
         if name not in types:
             where = f" in '{prefix}'" if prefix else ""
-            raise ConfigError(f"unknown config key '{dotted}' (valid keys{where}: {', '.join(sorted(types))})"
+            raise ConfigError(f"unknown config key {SHORT.repr(dotted)} (valid keys{where}: {', '.join(sorted(types))})"
                               + did_you_mean(type(cfg), dotted))
         tp = types[name]
         last = depth == len(parts) - 1
@@ -113,6 +131,8 @@ def suggest_keys(root: type, dotted: str, limit: int = 2) -> list[str]:
     ('train.epoch'). Only matches about as close as the best are kept: a list of far guesses
     would hide the one that helps.
     """
+    if len(dotted) > MAX_SUGGESTED_LENGTH:
+        return []  # difflib is quadratic: a 500 KB key from a YAML file took 26 s to compare
     keys = [key for key in all_keys(root) if key != dotted]
     leaf = dotted.rsplit(".", 1)[-1]
     same_leaf = [key for key in keys if key.rsplit(".", 1)[-1] == leaf]

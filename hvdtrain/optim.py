@@ -41,7 +41,9 @@ class LRSchedule:
         peak = scaled_lr(optim.base_lr, global_batch)
         # Goyal et al. warm up from the reference rate (for 256 images) to k times it; below a global
         # batch of 256 there is nothing to warm up to, so the start never exceeds the peak.
-        return cls(peak_lr=peak, start_lr=min(optim.base_lr, peak), warmup_epochs=optim.warmup_epochs,
+        # optim.warmup_start >= 0 starts from that fraction of the peak instead (0: from zero).
+        start = min(optim.base_lr, peak) if optim.warmup_start < 0 else optim.warmup_start * peak
+        return cls(peak_lr=peak, start_lr=start, warmup_epochs=optim.warmup_epochs,
                    epochs=epochs, steps_per_epoch=steps_per_epoch, schedule=optim.schedule,
                    end_lr=optim.end_lr, poly_power=optim.poly_power)
 

@@ -11,9 +11,11 @@ A small coordinator built on Horovod's public launcher pieces, in the order horo
 2. Ranks are assigned per node with Horovod's own ``get_host_assignments`` (ranks on a node
    contiguous; local and cross ranks and sizes as horovodrun computes them). A node is named by
    its IP (HOROVOD_HOSTNAME), which is unique per Ray node where host names may not be.
-3. Horovod's Gloo rendezvous server starts on the driver and is told that plan; every actor gets
-   the HOROVOD_* variables gloo_run sets (rank, size, local/cross rank and size, rendezvous
-   address and port, controller and CPU operations gloo, the interface) and, with GPUs, a
+3. Horovod's Gloo rendezvous server starts on the driver, listening on the rendezvous address
+   only and refusing requests without the job's token (TokenHandler), and is told that plan;
+   every actor gets the HOROVOD_* variables gloo_run sets (rank, size, local/cross rank and
+   size, rendezvous address, with the token, and port, controller and CPU operations gloo, the
+   interface) and, with GPUs, a
    CUDA_VISIBLE_DEVICES listing its node's GPUs in local-rank order (hvdtrain picks device
    local_rank, as under horovodrun).
 4. Each actor runs the rank as a child process (``python -m hvdtrain train ...``), not inside the
@@ -388,15 +390,15 @@ class Job:
         from horovod.runner.common.util.hosts import SlotInfo
 
         options = self.options
-        self.rendezvous = Rendezvous()
-        port = self.rendezvous.start_on(options.rendezvous_port)
+        addr = options.rendezvous_addr or ray.util.get_node_ip_address()
+        self.rendezvous, port = start_rendezvous(options.rendezvous_port, addr)
         self.rendezvous.init([SlotInfo(s.host, s.rank, s.local_rank, s.cross_rank, s.size, s.local_size,
                                        s.cross_size) for s in sorted(self.slots, key=lambda s: s.rank)])
-        addr = options.rendezvous_addr or ray.util.get_node_ip_address()
+        gloo_addr = rendezvous_addr(addr, port, self.rendezvous.token)
         gpus = node_gpus(self.slots, self.placements)
         ray.get([self.actors[s.actor].start.remote(
-            options.program, rank_env(s, self.placements[s.actor].iface, addr, port, gpus[s.host]), options.chdir)
-            for s in self.slots])
+            options.program, rank_env(s, self.placements[s.actor].iface, gloo_addr, port, gpus[s.host]),
+            options.chdir) for s in self.slots])
         self.started = True
         hosts = sorted({s.host for s in self.slots}, key=lambda h: min(s.rank for s in self.slots if s.host == h))
         print(f"hvdtrain ray: {len(self.slots)} ranks on {len(hosts)} node(s) ({', '.join(hosts)}), rendezvous at "
@@ -507,24 +509,72 @@ class Job:
 
 
 def rendezvous_class():
+    import hmac
+    import http.server
+    import secrets
+
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer, RendezvousServer
     from horovod.runner.util.threads import in_thread
 
-    class FixedPortRendezvous(RendezvousServer):
-        """Horovod's rendezvous server on a port of our choosing: its start() binds a random port
-        between 1024 and 65535, which a firewalled cluster (or a test confined to a port range) cannot
-        open. The same two steps as RendezvousServer.start, then init(plan) and stop() unchanged."""
+    class TokenHandler(RendezvousHandler):
+        """Horovod's handler behind the job's token. Gloo's HTTP store (C++) builds its URLs as
+        http://ADDR:PORT/SCOPE/KEY from HOROVOD_GLOO_RENDEZVOUS_ADDR, so ADDR = IP:PORT/TOKEN makes
+        every request's path /TOKEN:PORT/SCOPE/KEY: the first segment is checked and dropped, and a
+        request without the token (an outsider's PUT of a peer address) is refused with 403."""
 
-        def start_on(self, port: int) -> int:
-            self._httpd = RendezvousHTTPServer(("", port), RendezvousHandler, self._verbose)
+        def parse_request(self) -> bool:
+            # The check of Horovod's own handler (this repository's patch, item 7) is bypassed: it
+            # would strip the token a second time. Stock Horovod's handler has none.
+            if not http.server.BaseHTTPRequestHandler.parse_request(self):
+                return False
+            first, _, rest = self.path.lstrip("/").partition("/")
+            if not hmac.compare_digest(first.partition(":")[0].encode(), self.server.token.encode()):
+                self.send_status_code(403)
+                return False
+            self.path = "/" + rest
+            return True
+
+        def do_HEAD(self):  # SimpleHTTPRequestHandler would list the working directory
+            self.send_status_code(403)
+
+    class FixedPortRendezvous(RendezvousServer):
+        """Horovod's rendezvous server on an address and port of our choosing, behind a token: its
+        start() binds every interface on a random port between 1024 and 65535, which a firewalled
+        cluster (or a test confined to a port range) cannot open, and takes writes from anyone.
+        The same two steps as RendezvousServer.start, then init(plan) and stop() unchanged."""
+
+        def start_on(self, port: int, address: str = "", token: str = "") -> int:
+            self._httpd = RendezvousHTTPServer((address, port), TokenHandler, self._verbose)
+            self._httpd.token = token or secrets.token_hex(16)
             self._listen_thread = in_thread(target=self._httpd.serve_forever)
             return self._httpd.server_address[1]
+
+        @property
+        def token(self) -> str:
+            return self._httpd.token
 
     return FixedPortRendezvous
 
 
 def Rendezvous():  # noqa: N802 - a class made on first use: Horovod's runner is imported only here
     return rendezvous_class()()
+
+
+def rendezvous_addr(addr: str, port: int, token: str) -> str:
+    """HOROVOD_GLOO_RENDEZVOUS_ADDR carrying the token (see TokenHandler); the ranks read it from
+    their environment, never from a command line."""
+    return f"{addr}:{port}/{token}"
+
+
+def start_rendezvous(port: int, addr: str) -> tuple[Any, int]:
+    """The job's rendezvous server, listening on ``addr`` (the address the ranks reach it at) only,
+    and its port."""
+    rendezvous = Rendezvous()
+    try:
+        return rendezvous, rendezvous.start_on(port, addr)
+    except OSError as error:
+        raise RayLaunchError(f"cannot listen on {addr}:{port} for Horovod's rendezvous ({error.strerror}): give "
+                             f"--rendezvous-addr an address of this machine and a free --rendezvous-port") from None
 
 
 def main(argv: list[str]) -> int:

@@ -7,6 +7,7 @@ elastic.py both import this module.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -18,13 +19,14 @@ from typing import Any, Iterable
 import torch
 
 from . import checkpoint, dist, tracking
+from .audit import audit
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
-from .config import Config, ConfigError, dump_yaml, step_range, to_dict
+from .config import Config, ConfigError, dump_yaml, step_range, target_value, to_dict
 from .data.loaders import Loaders, shutdown_workers
 from .dist import log
 from .ema import ModelEma
-from .engine import StepSettings, evaluate
+from .engine import FiniteGuard, JobStopped, StepSettings, evaluate
 from .finetune import load_weights
 from .metrics import MetricSums, MetricsWriter
 from .observe import TimelineWindow, add_rank_report
@@ -33,7 +35,7 @@ from .placement import place_rank
 from .preemption import StopRequest
 from .state import RunState
 from .sysstats import StatsSampler
-from .tasks import Task, build_task
+from .tasks import Task, build_task, metric_direction
 from .watchdog import LivenessService, Peer, Watchdog, lost_message
 
 
@@ -91,7 +93,10 @@ def setup(cfg: Config) -> Run:
     settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                             clip_grad_norm=cfg.optim.clip_grad_norm,
                             backward_passes_per_step=cfg.train.backward_passes_per_step,
-                            phase_timing=cfg.runtime.phase_timing, seed=cfg.seed)
+                            phase_timing=cfg.runtime.phase_timing, seed=cfg.seed,
+                            # A host sync every step costs nothing on a CPU; on a GPU it would stall the queue.
+                            guard=FiniteGuard(device, check_every=1 if device.type == "cpu" else 100,
+                                              max_skipped=cfg.amp.max_skipped_steps))
     run = Run(cfg=cfg, task=task, state=state, settings=settings, loaders=loaders, steps_per_epoch=steps_per_epoch,
               global_batch=global_batch, run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
               watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
@@ -131,9 +136,14 @@ def add_recipe_state(run: Run) -> None:
         log(f"hvdtrain: model EMA, decay {cfg.ema.decay:g} every {cfg.ema.every_steps} step(s)"
             + (f", timm warm-up (gamma {cfg.ema.warmup_gamma:g}, power {cfg.ema.warmup_power:g})"
                if cfg.ema.warmup else ""))
-    if cfg.train.target_top1 > 0:
+    if target_value(cfg) > 0:
         run.clock = TrainClock()
         run.state.register("clock", run.clock)
+        name, key = target_metric_name(run)
+        direction = metric_direction(run.task, name, key)
+        log(f"hvdtrain: target: stop at val {name} {'>=' if direction == 'max' else '<='} {target_value(cfg):g}"
+            + (" (train.target_top1 is the old name of train.target)" if cfg.train.target_top1 else ""))
+    metric_direction(run.task, *best_metric_key(run))  # an undeclared direction stops before the first step
 
 
 class TrainClock:
@@ -235,8 +245,30 @@ def checkpoint_payload(run: Run) -> dict[str, Any]:
     return payload
 
 
-def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False) -> Path | None:
-    """Every rank takes part (random states and buffers are collected); rank 0 writes."""
+def audit_ranks(run: Run, where: str, floating_buffers: bool = False) -> None:
+    """The cross-rank audit (audit.py; a collective): under ``runtime.audit=stop`` a difference ends the
+    job on every rank with one line from rank 0, under ``warn`` rank 0 says it and the run goes on."""
+    if run.cfg.runtime.audit == "off":
+        return
+    line = audit(run.state, where, floating_buffers)
+    if line is None:
+        return
+    if run.cfg.runtime.audit == "warn":
+        log(f"hvdtrain: warning: {line}; going on (runtime.audit=warn)")
+        return
+    run.watchdog.disarm()
+    raise LostRank(f"hvdtrain: {line}; stopping before anything else is written (runtime.audit=warn only warns)",
+                   speak=dist.is_primary())
+
+
+def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False,
+                    audited: bool = False) -> Path | None:
+    """Every rank takes part (random states and buffers are collected); rank 0 writes. The ranks are
+    audited first (unless the caller just did): a checkpoint of diverged ranks is never written."""
+    if run.settings.guard is not None:
+        run.settings.guard.check()  # a checkpoint is never written of a diverged state
+    if not audited:
+        audit_ranks(run, f"the checkpoint of {where(run)} (global step {run.state.position.step})")
     payload = checkpoint_payload(run)
     path = saver.save(payload, is_best) if saver is not None else None
     dist.barrier()  # nobody runs ahead (or exits) before the file is in place
@@ -279,23 +311,35 @@ class Outputs:
 
 # --- the end of an epoch, and stopping early ---------------------------------------------------
 
+def best_metric_key(run: Run) -> tuple[str, str]:
+    """The validation metric that picks best.pt (``checkpoint.best_metric``, or the task's), and the
+    config key that chose it."""
+    return run.cfg.checkpoint.best_metric or run.task.best_metric, "checkpoint.best_metric"
+
+
 def best_metric_name(run: Run) -> str:
-    """The validation metric that picks best.pt: ``checkpoint.best_metric``, or the task's."""
-    return run.cfg.checkpoint.best_metric or run.task.best_metric
+    return best_metric_key(run)[0]
 
 
-def higher_is_better(task: Task, name: str) -> bool:
-    """The task's direction for its own metric (and its ``ema_`` twin); lower for any ``*loss``."""
-    if name.removeprefix("ema_") == task.best_metric:
-        return task.higher_is_better
-    return "loss" not in name
+def target_metric_name(run: Run) -> tuple[str, str]:
+    """The validation metric ``train.target`` applies to (``train.target_metric``, else best.pt's)."""
+    if run.cfg.train.target_metric:
+        return run.cfg.train.target_metric, "train.target_metric"
+    return best_metric_key(run)
 
 
-def is_better(task: Task, value: float, best: float | None, name: str | None = None) -> bool:
+def is_better(task: Task, value: float, best: float | None, name: str) -> bool:
+    """Whether ``value`` of metric ``name`` improves on ``best``, in the direction the task declares."""
+    if not math.isfinite(value):
+        return False  # a diverged epoch never becomes best.pt
     if best is None:
         return True
-    higher = higher_is_better(task, name) if name else task.higher_is_better
-    return value > best if higher else value < best
+    return value > best if metric_direction(task, name, "checkpoint.best_metric") == "max" else value < best
+
+
+def reaches(task: Task, value: float, target: float, name: str) -> bool:
+    """Whether ``value`` of metric ``name`` is at the target or past it, in the task's direction."""
+    return value >= target if metric_direction(task, name, "train.target_metric") == "max" else value <= target
 
 
 def validate_with_ema(run: Run, val_metrics: dict[str, Any], watch: bool) -> None:
@@ -310,13 +354,18 @@ def validate_with_ema(run: Run, val_metrics: dict[str, Any], watch: bool) -> Non
 
 
 def check_target(run: Run, epoch: int, val_metrics: dict[str, Any]) -> None:
-    """``train.target_top1``: mark the epoch whose validation metric reaches the target, with the time
-    to accuracy (every rank computes the same: the metrics are global sums)."""
-    name = best_metric_name(run)
-    if run.clock is None or val_metrics[name] < run.cfg.train.target_top1:
+    """``train.target``: mark the epoch whose validation metric reaches the target, with the time to it
+    (every rank computes the same: the metrics are global sums)."""
+    if run.clock is None:
         return
-    val_metrics.update(target_reached=True, target=run.cfg.train.target_top1,
-                       time_to_target_seconds=run.clock.seconds(), epochs_to_target=epoch + 1)
+    name, key = target_metric_name(run)
+    if name not in val_metrics:
+        raise ConfigError(f"config key '{key}': no validation metric '{name}' (this run has "
+                          f"{', '.join(k for k in val_metrics if isinstance(val_metrics[k], float))})")
+    target = target_value(run.cfg)
+    if reaches(run.task, val_metrics[name], target, name):
+        val_metrics.update(target_reached=True, target=target, target_metric=name,
+                           time_to_target_seconds=run.clock.seconds(), epochs_to_target=epoch + 1)
 
 
 def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, Any],
@@ -325,6 +374,7 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     state, task = run.state, run.task
     add_rank_report(run, train_metrics)
     dist.average_buffers(state.model)
+    audit_ranks(run, f"the end of epoch {epoch + 1} (global step {state.position.step})", floating_buffers=True)
     if watch:
         run.watchdog.beat()
     val_metrics = evaluate(state, run.settings, run.loaders.val, dist.allreduce_sum,
@@ -342,7 +392,7 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     is_best = is_better(task, val_metrics[name], state.best_metric, name)
     if is_best:
         state.best_metric = val_metrics[name]
-    path = save_checkpoint(run, outputs.saver, is_best=is_best)
+    path = save_checkpoint(run, outputs.saver, is_best=is_best, audited=True)
     step = state.position.step
     if outputs.writer is not None:
         for split, values in (("train", train_metrics), ("val", val_metrics)):
@@ -368,9 +418,10 @@ def epoch_line(run: Run, epoch: int, train: dict, val: dict) -> str:
 
 
 def target_line(run: Run, val: dict[str, Any]) -> str:
-    """The final line of a run that reached ``train.target_top1`` (MLPerf's time to accuracy)."""
-    name = best_metric_name(run)
-    return (f"hvdtrain: target reached: val {name} {val[name]:.2f} >= {val['target']:g} after "
+    """The final line of a run that reached ``train.target`` (MLPerf's time to accuracy)."""
+    name = val["target_metric"]
+    sign = ">=" if metric_direction(run.task, name, "train.target_metric") == "max" else "<="
+    return (f"hvdtrain: target reached: val {name} {val[name]:.4g} {sign} {val['target']:g} after "
             f"{val['epochs_to_target']} epoch(s), {val['time_to_target_seconds']:.1f} s of training "
             f"(time to accuracy); stopping")
 
@@ -388,12 +439,9 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: not finished, try again
 
 
-class LostRank(Exception):
-    """A collective failed because a peer died or hangs; ``speak`` is set on the rank that reports it."""
-
-    def __init__(self, line: str, speak: bool):
-        super().__init__(line)
-        self.speak = speak
+class LostRank(JobStopped):
+    """The job cannot go on because of the other ranks: a collective failed because a peer died or
+    hangs, or the ranks' states diverged (the audit). ``speak`` is set on the rank that reports it."""
 
 
 def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: int) -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import Config, ConfigError, to_dict
+from .redact import has_password, mask_values
 from .tracking_sender import STEP_KEY, Sender, first_line
 
 QUEUE_SIZE = 1000
@@ -97,7 +98,7 @@ class TrackingState:
     def state_dict(self) -> dict[str, Any]:
         if self.starting is not None and not self.starting.is_set():
             self.starting.wait(ID_WAIT_SECONDS)
-        return {name: dict(ids) for name, ids in self.ids.items()}
+        return {name: mask_values(dict(ids)) for name, ids in self.ids.items()}  # no password in checkpoints
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ids = {name: dict(ids) for name, ids in state.items()}
@@ -156,6 +157,10 @@ class Tracker:
         self.artifacts = 0
         state.starting = threading.Event()
         self.hosts = hosts
+        if "mlflow" in self.names and has_password(cfg.tracking.mlflow.tracking_uri):
+            log("hvdtrain: warning: tracking.mlflow.tracking_uri holds a password: hvdtrain writes it as ***, but "
+                "the command line (ps) or the config file that gave it shows it; set MLFLOW_TRACKING_USERNAME "
+                "and MLFLOW_TRACKING_PASSWORD in the environment instead (docs/tracking.md)")
         self.thread = threading.Thread(target=self.relay, name="hvdtrain-tracking", daemon=True)
         self.thread.start()
 
@@ -288,7 +293,7 @@ class Tracker:
         writer: Connection | None = None
         skip_through = -1
         try:
-            params = flatten(to_dict(self.cfg))
+            params = flatten(mask_values(to_dict(self.cfg)))  # W&B config, MLflow params: no password
             env = environment(self.hosts)
             writer, reader = self.start_sender(params, env)
             skip_through = self.pump(reader, until="ready")[1]

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import psutil
 
 from .config import Config
+from .redact import MASK, mask_text, split_credentials, without_credentials
 
 # MLflow's HTTP client retries for minutes by default; a tracker must give up quickly (users may override).
 MLFLOW_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -111,14 +112,15 @@ class MlflowBackend(Backend):
 
         options = self.cfg.tracking.mlflow
         uri = options.tracking_uri or mlflow.get_tracking_uri()
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = MlflowClient(tracking_uri=use_credentials(uri))
+        shown = mask_text(uri)  # what the start-up line and the checkpoints' run ids say
         tags = [RunTag(f"hvdtrain.{key}", str(value)) for key, value in env.items()]
         if env["git_commit"]:
             tags.append(RunTag("mlflow.source.git.commit", env["git_commit"]))
         params = {key: str(value) for key, value in params.items()}
         note = ""
-        if ids.get("run_id") and ids.get("tracking_uri") != uri:
-            note = f"; the checkpoint's run {ids['run_id']} is on {ids.get('tracking_uri')}: new run"
+        if ids.get("run_id") and without_credentials(ids.get("tracking_uri", "")) != without_credentials(uri):
+            note = f"; the checkpoint's run {ids['run_id']} is on {mask_text(ids.get('tracking_uri', ''))}: new run"
         elif ids.get("run_id"):
             try:
                 run = self.client.get_run(ids["run_id"])
@@ -142,8 +144,8 @@ class MlflowBackend(Backend):
         for start in range(0, max(len(items), 1), 100):  # the server takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=items[start:start + 100], tags=tags if start == 0 else [])
         resumed = self.run_id == ids.get("run_id")
-        return ({"run_id": self.run_id, "tracking_uri": uri},
-                f"mlflow run {self.run_id} ({'resumed, ' if resumed else ''}{uri}){note}")
+        return ({"run_id": self.run_id, "tracking_uri": shown},
+                f"mlflow run {self.run_id} ({'resumed, ' if resumed else ''}{shown}){note}")
 
     def last_step(self):
         history = self.client.get_metric_history(self.run_id, STEP_KEY)
@@ -164,11 +166,31 @@ class MlflowBackend(Backend):
         self.client.set_terminated(self.run_id, {"finished": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED"))
 
 
+def use_credentials(uri: str) -> str:
+    """The URI to give MlflowClient: a password in ``uri`` moves to this process's environment
+    (MLFLOW_TRACKING_USERNAME/PASSWORD, which MLflow reads at every request), so that no URI that
+    MLflow might print or store holds it. A password masked by hvdtrain (``***``, e.g. from a
+    checkpoint's or config.yaml's copy) is never sent: the environment must then hold the real one."""
+    bare, user, password = split_credentials(uri)
+    if password is None:
+        return uri
+    if password == MASK:
+        if not os.environ.get("MLFLOW_TRACKING_PASSWORD"):
+            raise ValueError(f"tracking.mlflow.tracking_uri {uri} holds a masked password (a copy from config.yaml "
+                             f"or a checkpoint): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, and "
+                             f"give the URI without them ({bare})")
+    else:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+    if user:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+    return bare
+
+
 BACKENDS: dict[str, Callable[[Config, Path], Backend]] = {"wandb": WandbBackend, "mlflow": MlflowBackend}
 
 
 def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
+    text = mask_text(str(error)).strip().splitlines()
     return (f"{type(error).__name__}: {text[0]}" if text else type(error).__name__)[:200]
 
 

@@ -34,8 +34,8 @@ from . import dist
 from .config import Config
 from .engine import train_one_epoch
 from .preemption import StopRequest
-from .run import Outputs, Run, end_epoch, finish, log, lost_rank, resume_and_broadcast, save_checkpoint, setup, \
-    stop_for_preemption
+from .run import Outputs, Run, audit_ranks, end_epoch, finish, log, lost_rank, resume_and_broadcast, save_checkpoint, \
+    setup, stop_for_preemption
 from .state import RunState
 
 
@@ -56,6 +56,8 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
         if every and position.step % every == 0 and position.step_in_epoch < run.steps_per_epoch:
             run.watchdog.disarm()
             save_checkpoint(run, outputs.saver)
+        elif cfg.runtime.audit_every and position.step % cfg.runtime.audit_every == 0:
+            audit_ranks(run, f"global step {position.step}")
         outputs.after_step(run, sums)
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
         if run.timeline is not None:
@@ -75,7 +77,7 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
                 position.epoch = epoch
                 if loaders.train_sampler is not None:
                     loaders.train_sampler.set_epoch(epoch, start=position.step_in_epoch * run.global_batch)
-                progress = Progress(epoch, cfg.train.epochs, run.steps_per_epoch) \
+                progress = Progress(epoch, cfg.train.epochs, run.steps_per_epoch, first=position.step_in_epoch) \
                     if cfg.output.progress and dist.is_primary() else None
                 if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
                     run.watchdog.beat()
@@ -104,14 +106,14 @@ class Progress:
     """Progress through an epoch on rank 0: a tqdm bar on a terminal; on a pipe (launchers capture
     the ranks' output), a plain line every 10% of the epoch at most every 10 seconds."""
 
-    def __init__(self, epoch: int, epochs: int, steps: int):
-        self.label, self.steps = f"epoch {epoch + 1}/{epochs}", steps
+    def __init__(self, epoch: int, epochs: int, steps: int, first: int = 0):
+        self.label, self.steps, self.first = f"epoch {epoch + 1}/{epochs}", steps, first
         self.start = self.last_line = time.perf_counter()
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=steps, desc=self.label, unit="step", leave=False, file=sys.stderr,
+            self.bar = tqdm(total=steps, initial=first, desc=self.label, unit="step", leave=False, file=sys.stderr,
                             mininterval=1.0, dynamic_ncols=True)
 
     def update(self, run: Run, step_in_epoch: int) -> None:
@@ -123,7 +125,8 @@ class Progress:
         if done < self.steps and done % max(1, self.steps // 10) == 0 and now - self.last_line >= 10:
             self.last_line = now
             print(f"{self.label}: step {done}/{self.steps} ({100 * done // self.steps}%), "
-                  f"{done / (now - self.start):.2f} steps/s, lr {run.settings.lr_at(run.state):.4g}", flush=True)
+                  f"{(done - self.first) / (now - self.start):.2f} steps/s, lr {run.settings.lr_at(run.state):.4g}",
+                  flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -9,7 +9,10 @@
 # Environment knobs (all optional):
 #   HVDTRAIN_VENV=DIR          where the virtual environment lives (default: <repo>/.venv)
 #   HVDTRAIN_GPU_OPS=auto|nccl|none
-#                              auto (default) builds NCCL ops when a CUDA toolkit and NCCL are found
+#                              auto (default) builds NCCL ops when a GPU driver (libcuda.so.1), a CUDA
+#                              toolkit and NCCL are all found; a toolkit alone is not enough, because
+#                              GPU ops on a host without a driver hang hvd.join under Gloo and fail it
+#                              under MPI. nccl builds them regardless (images built for GPU hosts)
 #   HVDTRAIN_SYSTEM_TORCH=1    reuse a torch already installed in the base Python (GPU images that
 #                              ship their own torch); the venv then sees system site-packages
 #   HVDTRAIN_KEEP_PIP_CONFIG=1 keep this machine's pip configuration (default: ignore it, so that the
@@ -20,7 +23,15 @@
 #                              Horovod wheel there built from the same sdist, patch, torch, Python, OS
 #                              and GPU ops is installed instead of compiling again (setup keeps every
 #                              wheel it builds under .cache/setup/wheels; make test-image hands the
-#                              host's to the image build this way)
+#                              host's to the image build this way). Only a wheel that nobody else can
+#                              have swapped: see HVDTRAIN_WHEELHOUSE_SHA256
+#   HVDTRAIN_WHEELHOUSE_SHA256=SUM[,SUM...]
+#                              the SHA-256 sums a wheel from HVDTRAIN_WHEELHOUSE may have; without them,
+#                              the wheel and the folders from DIR down to it must be writable by you
+#                              (or root) alone. Setup stops with one line otherwise. The same rule,
+#                              without sums, holds for the wheels in setup's own cache, which must also
+#                              match the SHA256SUMS written when they were built (scripts/wheel-check.sh
+#                              says why a sum beside the wheel alone would not do)
 #   EXTRAS=a,b                 optional integrations to install too (setup.py extras_require, pinned),
 #                              e.g. EXTRAS=ray,mlflow; `make setup EXTRAS=...` passes it through
 #   HVDTRAIN_EXTRA_CA=FILE     a PEM bundle that apt and pip trust besides their own (a TLS-intercepting
@@ -43,15 +54,19 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # Pins. torch/torchvision are the registry's CUDA builds: there is no CPU-only torchvision wheel,
 # and the CUDA build runs fine on machines without a GPU.
 torch_pins=(torch==2.13.0 torchvision==0.28.0)
+# setup.py pins the same versions (tests/unit/test_supply_chain.py keeps the two in step).
 python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy==2.4.6 pillow==13.0.0 simplejpeg==1.9.0
-             matplotlib==3.11.2 pytest==9.2.0 cloudpickle psutil packaging cffi setuptools wheel)
+             matplotlib==3.11.2 pytest==9.2.0 cloudpickle==3.1.3 psutil==7.2.2 packaging==26.4 cffi==2.1.1
+             setuptools==84.2.1 wheel==0.48.0)
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
-stamp=$(cat "$0" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
+stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
+# verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
+source "$repo/scripts/wheel-check.sh"
 
 # Extra CA certificates: one temporary bundle (the system's, if any, plus FILE; pip's own certifi
 # bundle is added once the venv exists), removed on exit so that an image layer never keeps it.
@@ -82,6 +97,14 @@ apt_install() {
     log "installing Debian packages: ${missing[*]}"
     $sudo apt-get "${apt_ca[@]}" update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get "${apt_ca[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# A GPU driver is there when the kernel module answers or the dynamic loader knows libcuda.so.1
+# (containers get the library mounted by the NVIDIA runtime; /proc/driver/nvidia may be hidden).
+gpu_driver_present() {
+    [[ -e /proc/driver/nvidia/version ]] && return 0
+    ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 ' && return 0
+    return 1
 }
 
 check_build() {
@@ -174,7 +197,14 @@ EOF
     want_nccl=0
     case $gpu_ops in
         nccl) want_nccl=1 ;;
-        auto) [[ -n $cuda_home && -n $torch_cuda && -n $nccl_home ]] && want_nccl=1 ;;
+        auto)
+            if [[ -n $cuda_home && -n $torch_cuda && -n $nccl_home ]]; then
+                if gpu_driver_present; then
+                    want_nccl=1
+                else
+                    log "a CUDA toolkit but no GPU driver (libcuda.so.1): building CPU ops (HVDTRAIN_GPU_OPS=nccl forces NCCL ops)"
+                fi
+            fi ;;
         none) ;;
         *) die "HVDTRAIN_GPU_OPS must be auto, nccl or none, not '$gpu_ops'" ;;
     esac
@@ -204,14 +234,22 @@ EOF
     wheel_key=$wheel_key-$(. /etc/os-release 2>/dev/null && echo "${ID:-linux}${VERSION_ID:-}")-$ops_id
     wheel_dir=$cache/wheels/$wheel_key
     wheel=""
-    for dir in ${HVDTRAIN_WHEELHOUSE:+"$HVDTRAIN_WHEELHOUSE/$wheel_key"} "$wheel_dir"; do
-        for candidate in "$dir"/horovod-"$horovod_version"-*.whl; do
-            [[ -f $candidate ]] && wheel=$candidate && break 2
+    # A wheel found there is checked (scripts/wheel-check.sh) and its checked copy installed; one
+    # that might have been swapped stops setup rather than being compiled over in a shared folder.
+    checked_dir=$(mktemp -d)
+    for root in ${HVDTRAIN_WHEELHOUSE:+"$HVDTRAIN_WHEELHOUSE"} "$cache/wheels"; do
+        hashes=""
+        [[ $root == "${HVDTRAIN_WHEELHOUSE:-}" ]] && hashes=${HVDTRAIN_WHEELHOUSE_SHA256:-}
+        for candidate in "$root/$wheel_key"/horovod-"$horovod_version"-*.whl; do
+            [[ -f $candidate ]] || continue
+            verified_wheel "$candidate" "$root" "$checked_dir" "$hashes" || { rm -rf "$checked_dir"; die "$wheel_problem"; }
+            wheel=$checked_wheel
+            log "installing horovod $horovod_version built earlier for $ops: $candidate"
+            break 2
         done
     done
     install_wheel() { "$vpy" -m pip uninstall -q -y horovod 2>/dev/null || true; pip_install --no-deps "$1"; }
     if [[ -n $wheel ]]; then
-        log "installing horovod $horovod_version built earlier for $ops: $wheel"
         install_wheel "$wheel"
         if ! check_build >/dev/null 2>&1; then
             log "that wheel does not pass horovodrun --check-build here: compiling instead"
@@ -238,9 +276,12 @@ EOF
         rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
         env "${build_env[@]}" "$vpy" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$wheel_dir.partial" "$src" \
             >"$cache/horovod-build.log" 2>&1 || { tail -40 "$cache/horovod-build.log"; die "horovod build failed (full log: $cache/horovod-build.log)"; }
+        # The record verified_wheel checks a wheel of this cache against (a damaged copy).
+        (cd "$wheel_dir.partial" && sha256sum horovod-"$horovod_version"-*.whl >SHA256SUMS)
         rm -rf "$src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
         install_wheel "$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)"
     fi
+    rm -rf "$checked_dir"
 fi
 
 if ! out=$(check_build); then

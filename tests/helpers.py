@@ -51,11 +51,12 @@ def launch_command(kind: str, np_: int, program: list[str]) -> list[str]:
 
 
 def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``program`` (argv after the interpreter) on ``np_`` ranks with a real launcher."""
+           check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``program`` (argv after the interpreter) on ``np_`` ranks with a real launcher; ``env``
+    adds variables to the job's environment."""
     cmd = launch_command(kind, np_, program)
-    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(cmd, cwd=tmp_path, env={**job_env(tmp_path), **(env or {})}, capture_output=True,
+                            text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
                              f"\n--- stderr\n{result.stderr[-4000:]}")
@@ -127,3 +128,11 @@ def start_job(kind: str, program: list[str], tmp: Path) -> subprocess.Popen:
     """``launch`` on 2 ranks without waiting: the job, its output merged into one pipe."""
     return subprocess.Popen(launch_command(kind, 2, program), cwd=tmp, env=job_env(tmp), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def example_task_variant(folder: Path, name: str, subclass_source: str) -> Path:
+    """``folder/name.py``: examples/custom_task's tabular task followed by ``subclass_source`` (a
+    subclass of ``TabularTask`` that a test injects a fault with, or adds a metric to)."""
+    path = folder / f"{name}.py"
+    path.write_text((REPO / "examples" / "custom_task" / "tabular_task.py").read_text() + subclass_source)
+    return path

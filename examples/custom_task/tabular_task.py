@@ -86,8 +86,10 @@ class TabularNet(torch.nn.Module):
 class TabularTask(Task):
     name = "tabular"
     sum_fields = ("loss_sum", "correct", "count")
+    # Whether each metric of summarize() is better higher ("max") or lower ("min"): best.pt and
+    # train.target read it (checkpoint.best_metric=loss, train.target=95 ...).
+    metric_directions = {"loss": "min", "accuracy": "max"}
     best_metric = "accuracy"
-    higher_is_better = True
     unit = "rows"
 
     def __init__(self, cfg=None, hidden: int = 32, noise: float = 0.05):

@@ -15,7 +15,9 @@ converts to float and normalizes, all on the loader's CPU cores. Here:
 
 Anything simplejpeg cannot read (PNG with a .JPEG name, CMYK, unusual JPEGs) goes through Pillow,
 which converts every decodable image to RGB. A file Pillow cannot decode either raises
-``BadImage``.
+``BadImage``, and so does a file of more pixels than ``data.max_image_pixels`` (Pillow's
+decompression-bomb limit by default), whichever decoder would have read it: the size comes from the
+header, before anything is decoded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextvars
 import io
 import math
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -40,6 +43,8 @@ RATIO = (3.0 / 4.0, 4.0 / 3.0)
 # libjpeg-turbo decodes at n/8 of the size; factors between 1 and 2 are not faster than a full
 # decode (the scaled IDCTs have no SIMD versions), so scale by 2, 4 or 8 or not at all.
 MIN_DCT_FACTOR = 2.0
+# data.max_image_pixels' default: Pillow's own (Image.MAX_IMAGE_PIXELS, about a 9459 x 9459 image).
+DEFAULT_MAX_PIXELS = 89_478_485
 
 Box = tuple[float, float, float, float]  # left, top, width, height in original pixels
 # The training resolution of the epoch being loaded (progressive resizing), set around each sample
@@ -106,20 +111,46 @@ def is_jpeg(data: bytes) -> bool:
     return data[:3] == b"\xff\xd8\xff"
 
 
-def image_size(data: bytes) -> tuple[int, int, bool]:
-    """(width, height, whether libjpeg-turbo will decode it) from the header alone."""
+def image_size(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int, bool]:
+    """(width, height, whether libjpeg-turbo will decode it) from the header alone.
+
+    An image of more than ``max_pixels`` pixels (0 = no limit) raises ``BadImage``: libjpeg-turbo
+    applies no limit of its own, Pillow refuses it when opening it (``open_image``).
+    """
     if is_jpeg(data):
         try:
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-            if colorspace != "CMYK":
-                return width, height, True
         except ValueError:
-            pass
+            colorspace = ""
+        if colorspace and colorspace != "CMYK":
+            if max_pixels and width * height > max_pixels:
+                raise BadImage(f"{width}x{height} = {width * height} pixels exceeds data.max_image_pixels={max_pixels}")
+            return width, height, True
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with open_image(data, max_pixels) as image:
             return image.size[0], image.size[1], False
+    except BadImage:
+        raise
     except Exception as error:  # Pillow raises many types on garbage
         raise BadImage(describe(error)) from None
+
+
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
+    """``Image.open`` under ``max_pixels`` (0 = no limit), so that Pillow refuses exactly the files
+    the libjpeg-turbo path refuses: Pillow's own limit (Image.MAX_IMAGE_PIXELS, checked when it opens
+    a file) is ``max_pixels`` meanwhile, and the DecompressionBombWarning it gives above it (it raises
+    DecompressionBombError only above twice the limit) is an error. The global is put back after:
+    with data.workers=0 this is the training process, whose other uses of Pillow keep theirs."""
+    previous = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max_pixels or None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
+        raise BadImage(f"{describe(error)} (data.max_image_pixels={max_pixels})") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = previous
 
 
 def describe(error: Exception) -> str:
@@ -127,11 +158,13 @@ def describe(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def decode(data: bytes, box: Box, size: int, turbo: bool = True) -> tuple[np.ndarray, float, float]:
+def decode(data: bytes, box: Box, size: int, turbo: bool = True,
+           max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float, float]:
     """Decode at the smallest DCT scale that keeps ``box`` at >= ``size`` pixels on both sides.
 
     Returns an RGB HWC uint8 array and the factors from original to decoded coordinates.
-    ``turbo``: the header said libjpeg-turbo can decode it (see ``image_size``).
+    ``turbo``: the header said libjpeg-turbo can decode it (see ``image_size``, which also checked
+    ``max_pixels``; the Pillow fallback checks it again).
     """
     if turbo:
         try:
@@ -145,19 +178,22 @@ def decode(data: bytes, box: Box, size: int, turbo: bool = True) -> tuple[np.nda
             return array, array.shape[1] / width, array.shape[0] / height
         except ValueError:
             pass  # strict libjpeg-turbo refused it; Pillow is more lenient and decides
-    return decode_with_pillow(data, box, size)
+    return decode_with_pillow(data, box, size, max_pixels)
 
 
-def decode_with_pillow(data: bytes, box: Box, size: int) -> tuple[np.ndarray, float, float]:
+def decode_with_pillow(data: bytes, box: Box, size: int,
+                       max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float, float]:
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with open_image(data, max_pixels) as image:
             width, height = image.size
             factor = min(box[2], box[3]) / size
             if factor >= MIN_DCT_FACTOR and image.format == "JPEG":
                 image.draft(image.mode, (math.ceil(width / factor), math.ceil(height / factor)))
             rgb = image.convert("RGB")
             array = np.array(rgb)  # writable: torch.from_numpy warns on read-only arrays
-    except Exception as error:  # OSError, SyntaxError, ValueError, DecompressionBombError, ...
+    except BadImage:
+        raise
+    except Exception as error:  # OSError, SyntaxError, ValueError, ...
         raise BadImage(describe(error)) from None
     return array, array.shape[1] / width, array.shape[0] / height
 
@@ -190,16 +226,16 @@ class TrainCrop:
     defaults draw exactly torchvision's numbers."""
 
     def __init__(self, size: int, scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
-                 hflip: float = 0.5):
-        self.size, self.scale, self.ratio, self.hflip = size, scale, ratio, hflip
+                 hflip: float = 0.5, max_pixels: int = DEFAULT_MAX_PIXELS):
+        self.size, self.scale, self.ratio, self.hflip, self.max_pixels = size, scale, ratio, hflip, max_pixels
 
     def __call__(self, data: bytes) -> torch.Tensor:
         size = RESOLUTION.get() or self.size
-        width, height, turbo = image_size(data)
+        width, height, turbo = image_size(data, self.max_pixels)
         top, left, h, w = crop_params(width, height, self.scale, self.ratio)
         flip = bool(torch.rand(1) < self.hflip)
         box = (float(left), float(top), float(w), float(h))
-        array, sx, sy = decode(data, box, size, turbo)
+        array, sx, sy = decode(data, box, size, turbo, self.max_pixels)
         return crop_resize(array, box, sx, sy, size, flip)
 
 
@@ -208,8 +244,8 @@ class PadCrop:
     ``pad`` pixels on each side, a random size x size window of that, then a flip with probability
     ``hflip``. The content is never rescaled, so a digit or a glyph keeps its size and shape."""
 
-    def __init__(self, size: int, resize: int, pad: int, hflip: float = 0.0):
-        self.base = CenterCrop(size, resize)
+    def __init__(self, size: int, resize: int, pad: int, hflip: float = 0.0, max_pixels: int = DEFAULT_MAX_PIXELS):
+        self.base = CenterCrop(size, resize, max_pixels)
         self.size, self.pad, self.hflip = size, pad, hflip
 
     def __call__(self, data: bytes) -> torch.Tensor:
@@ -237,15 +273,15 @@ class FlipOnly:
 class CenterCrop:
     """Resize(resize) + CenterCrop(size) from encoded bytes to a uint8 tensor."""
 
-    def __init__(self, size: int, resize: int):
-        self.size, self.resize = size, resize
+    def __init__(self, size: int, resize: int, max_pixels: int = DEFAULT_MAX_PIXELS):
+        self.size, self.resize, self.max_pixels = size, resize, max_pixels
 
     def __call__(self, data: bytes) -> torch.Tensor:
-        width, height, turbo = image_size(data)
+        width, height, turbo = image_size(data, self.max_pixels)
         box = center_crop_box(width, height, self.resize, self.size)
         if box is None:
             return self.padded(data)
-        array, sx, sy = decode(data, box, self.size, turbo)
+        array, sx, sy = decode(data, box, self.size, turbo, self.max_pixels)
         # The center box has fractional corners; Pillow's resize takes them exactly (the torch
         # kernel would need a crop rounded to whole pixels: a half-pixel shift).
         image = Image.frombuffer("RGB", (array.shape[1], array.shape[0]), array, "raw", "RGB", 0, 1)
@@ -257,7 +293,7 @@ class CenterCrop:
     def padded(self, data: bytes) -> torch.Tensor:
         from torchvision import transforms
 
-        array, _, _ = decode_with_pillow(data, (0, 0, 1, 1), self.size)
+        array, _, _ = decode_with_pillow(data, (0, 0, 1, 1), self.size, self.max_pixels)
         image = transforms.CenterCrop(self.size)(transforms.Resize(self.resize)(Image.fromarray(array)))
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 

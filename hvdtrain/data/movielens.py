@@ -1,5 +1,5 @@
 """MovieLens ratings: the three real file formats, id remapping, the train/validation split, a
-cache next to the source, and the built-in generated dataset.
+cache under the user's own cache folder, and the built-in generated dataset.
 
 Formats, detected from the folder's contents (the first of these names found):
 
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG, S_IWGRP, S_IWOTH
 from typing import Callable
 
 import numpy as np
 
-from .file_index import DataError
+from .file_index import DataError, sha256_file
 
 FORMATS = {"ratings.csv": ",", "u.data": "\t", "ratings.dat": "::"}
 CSV_HEADER = "userId,movieId,rating,timestamp"
@@ -195,9 +197,10 @@ def split_mask(ratings: Ratings, method: str, fraction: float, seed: int) -> np.
 # --- the cache -----------------------------------------------------------------------------------
 
 def source_signature(path: Path) -> str:
-    """Changes whenever the file does (size and modification time in nanoseconds)."""
-    stat = path.stat()
-    return f"{stat.st_size}-{stat.st_mtime_ns}"
+    """The source's content hash: a cache is used only for the exact bytes it was built from
+    (size and modification time can stay the same through an edit, a copy with ``cp -p`` or
+    ``rsync -t``). Hashing reads the file once, at disk speed; parsing is far slower."""
+    return f"sha256:{sha256_file(path)}"
 
 
 def cache_key(path: Path, method: str, fraction: float, seed: int, on_bad_line: str) -> str:
@@ -206,56 +209,78 @@ def cache_key(path: Path, method: str, fraction: float, seed: int, on_bad_line: 
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def cache_candidates(path: Path, key: str, fallback: Path | None) -> list[Path]:
-    """Next to the source first; under the user's cache when the source's folder is read-only."""
-    name = f".{path.name}.hvdtrain-{key}.npz"
-    found = [path.parent / name]
-    if fallback is not None:
-        found.append(fallback / "movielens" / name.lstrip("."))
-    return found
+def cache_candidates(path: Path, key: str, cache_dir: Path | None) -> list[Path]:
+    """Where the cache of ``path`` lives: under the user's own cache folder (``cache_dir``, default
+    ``$HVDTRAIN_CACHE`` or ``~/.cache/hvdtrain``), never next to the source, whose folder others
+    may be able to write."""
+    if cache_dir is None:
+        from .demo import cache_root
+
+        cache_dir = cache_root()
+    return [cache_dir / "movielens" / f"{path.name}.hvdtrain-{key}.npz"]
+
+
+def trusted(handle: int) -> bool:
+    """A cache file this user owns, that nobody else can write, and that is a regular file."""
+    stat = os.fstat(handle)
+    return (S_ISREG(stat.st_mode) and stat.st_uid == os.getuid()
+            and not stat.st_mode & (S_IWGRP | S_IWOTH))
 
 
 def read_cache(candidates: list[Path], signature: str) -> tuple[Ratings, np.ndarray, Path] | None:
     for candidate in candidates:
         try:
-            with np.load(candidate, allow_pickle=False) as saved:
-                if str(saved["signature"]) != signature:
-                    continue  # the source changed since: parse again
-                ratings = Ratings(saved["users"], saved["items"], saved["ratings"], saved["timestamps"],
-                                  saved["user_ids"], saved["item_ids"], int(saved["skipped"]))
-                return ratings, saved["val"], candidate
-        except (OSError, KeyError, ValueError):
+            handle = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW)  # a link planted at the name is refused
+        except OSError:
             continue
+        with os.fdopen(handle, "rb") as stream:
+            try:
+                if not trusted(handle):
+                    continue  # another user's file, or one others can write: parse again, and replace it
+                with np.load(stream, allow_pickle=False) as saved:
+                    if str(saved["signature"]) != signature:
+                        continue  # the source changed since: parse again
+                    ratings = Ratings(saved["users"], saved["items"], saved["ratings"], saved["timestamps"],
+                                      saved["user_ids"], saved["item_ids"], int(saved["skipped"]))
+                    return ratings, saved["val"], candidate
+            except (OSError, KeyError, ValueError, EOFError):
+                continue
     return None
 
 
 def write_cache(candidates: list[Path], signature: str, ratings: Ratings, val: np.ndarray) -> Path | None:
-    """Write atomically (a temporary file, then a rename), so racing processes are safe."""
+    """Write atomically (a new temporary file, then a rename), so racing processes are safe. The
+    temporary file is created with O_EXCL (mkstemp, mode 0600): a file or link someone planted at
+    a name we would pick is never written through."""
     for candidate in candidates:
-        scratch = candidate.with_name(f"{candidate.name}.tmp-{os.getpid()}.npz")
+        scratch = None
         try:
-            candidate.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(scratch, signature=np.array(signature), users=ratings.users, items=ratings.items,
-                     ratings=ratings.ratings, timestamps=ratings.timestamps, user_ids=ratings.user_ids,
-                     item_ids=ratings.item_ids, skipped=np.array(ratings.skipped), val=val)
+            candidate.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            handle, scratch = tempfile.mkstemp(prefix=f".{candidate.name}.", suffix=".tmp", dir=candidate.parent)
+            with os.fdopen(handle, "wb") as stream:
+                np.savez(stream, signature=np.array(signature), users=ratings.users, items=ratings.items,
+                         ratings=ratings.ratings, timestamps=ratings.timestamps, user_ids=ratings.user_ids,
+                         item_ids=ratings.item_ids, skipped=np.array(ratings.skipped), val=val)
             os.replace(scratch, candidate)
             return candidate
         except OSError:
-            try:
-                scratch.unlink()
-            except OSError:
-                pass
+            if scratch is not None:
+                try:
+                    os.unlink(scratch)
+                except OSError:
+                    pass
     return None
 
 
 def load_split(folder: Path, method: str, fraction: float, seed: int, on_bad_line: str = "fail",
                cache: bool = True, fallback_cache: Path | None = None,
                warn: Callable[[str], None] | None = None) -> Split:
-    """The parsed and split ratings of a MovieLens folder, from the cache when it is current."""
+    """The parsed and split ratings of a MovieLens folder, from the cache when it is current.
+    ``fallback_cache``: the user's cache folder the cache goes under (default ``cache_root()``)."""
     start = time.perf_counter()
     path, fmt = find_ratings_file(folder)
-    signature = source_signature(path)
     candidates = cache_candidates(path, cache_key(path, method, fraction, seed, on_bad_line), fallback_cache)
+    signature = source_signature(path) if cache else ""
     if cache:
         found = read_cache(candidates, signature)
         if found is not None:

@@ -29,16 +29,16 @@ def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None)
     the training size; then a flip with probability ``augment.hflip``, then ``augment``'s policy and
     random erasing (``data/policies.py``). Without ``data.augment``, the evaluation crop alone."""
     augment = augment or AugmentConfig()
-    center = CenterCrop(data.image_size, val_resize_size(data, data.image_size))
+    center = CenterCrop(data.image_size, val_resize_size(data, data.image_size), data.max_image_pixels)
     if not data.augment:
         return center
     if augment.crop == "random_resized":
         crop = TrainCrop(data.image_size, float_pair("augment.scale", augment.scale),
-                         float_pair("augment.ratio", augment.ratio), augment.hflip)
+                         float_pair("augment.ratio", augment.ratio), augment.hflip, data.max_image_pixels)
     elif augment.crop == "random_pad":
         # The whole image at the training size (no border cut away): pair it with
         # data.val_resize=image_size so that validation sees the same framing.
-        crop = PadCrop(data.image_size, data.image_size, augment.pad, augment.hflip)
+        crop = PadCrop(data.image_size, data.image_size, augment.pad, augment.hflip, data.max_image_pixels)
     else:
         crop = FlipOnly(center, augment.hflip) if augment.hflip > 0 else center
     op = policy_ops(augment)
@@ -47,7 +47,7 @@ def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None)
 
 def fast_eval_transform(data: DataConfig) -> Transform:
     """Encoded bytes -> uint8 center crop (``data.val_image_size``) after a resize to ``val_resize_size``."""
-    return CenterCrop(val_image_size(data), val_resize_size(data))
+    return CenterCrop(val_image_size(data), val_resize_size(data), data.max_image_pixels)
 
 
 class DeviceNormalizer:

@@ -61,7 +61,12 @@ class Task:
 
     name = ""
     sum_fields: tuple[str, ...] = ()
-    # The validation metric that chooses best.pt, and whether higher is better.
+    # Whether each metric ``summarize`` reports is better higher ("max") or lower ("min"). best.pt,
+    # ``checkpoint.best_metric`` and ``train.target`` read the direction from here, never from the
+    # metric's name; a metric missing here cannot be chosen for them (one line says so).
+    metric_directions: dict[str, str] = {"loss": "min"}
+    # The validation metric that chooses best.pt by default. ``higher_is_better`` is its direction for
+    # tasks written before ``metric_directions`` (which wins where both name it).
     best_metric = "loss"
     higher_is_better = False
 
@@ -125,6 +130,30 @@ class Task:
         raise NotImplementedError(f"task '{self.name}' has no benchmark batches")
 
 
+DIRECTIONS = ("max", "min")
+
+
+def metric_directions(task: Task) -> dict[str, str]:
+    """Every metric whose direction ``task`` declares: ``metric_directions``, plus ``best_metric``
+    with ``higher_is_better`` where the task predates ``metric_directions``."""
+    declared = {"loss": "min", task.best_metric: "max" if task.higher_is_better else "min"}
+    declared.update(task.metric_directions)
+    return declared
+
+
+def metric_direction(task: Task, name: str, key: str) -> str:
+    """"max" or "min" for the validation metric ``name`` (an ``ema_`` twin has its model's direction);
+    a metric the task does not declare stops with one line that names the config ``key`` asking."""
+    declared = metric_directions(task)
+    direction = declared.get(name, declared.get(name.removeprefix("ema_")))
+    if direction is None:
+        known = ", ".join(f"{metric} ({declared[metric]})" for metric in sorted(declared))
+        raise ConfigError(f"config key '{key}': task '{task.name or type(task).__name__}' does not say whether "
+                          f"a higher or a lower '{name}' is better (it declares {known}); pick one of those, or "
+                          f"add '{name}' to the task's metric_directions")
+    return direction
+
+
 REQUIRED = ("build_loaders", "build_model", "to_device", "loss", "metric_sums", "summarize")
 TASKS_DOC = "docs/tasks.md"
 """The page that documents the task interface, in the hvdtrain repository."""
@@ -133,6 +162,7 @@ TASKS_DOC = "docs/tasks.md"
 # names them -> what builds them. Consulted before any import, so that a class defined in the
 # running script (``__main__``) is used as it is, not imported a second time.
 _IN_PROCESS: dict[str, Callable[[Config], Task]] = {}
+_IN_PROCESS_CLASSES: dict[str, type[Task]] = {}
 
 
 def is_file_target(module_part: str) -> bool:
@@ -222,6 +252,10 @@ def check_task_class(cls: Any, name: str) -> None:
         raise ConfigError(f"task '{name}' lacks {', '.join(missing)} (the task interface: {TASKS_DOC})")
     if not cls.sum_fields:
         raise ConfigError(f"task '{name}' lacks sum_fields (the task interface: {TASKS_DOC})")
+    wrong = {metric: way for metric, way in dict(cls.metric_directions).items() if way not in DIRECTIONS}
+    if wrong:
+        raise ConfigError(f"task '{name}': metric_directions takes \"max\" (higher is better) or \"min\", got "
+                          f"{wrong} (the task interface: {TASKS_DOC})")
 
 
 def provide(task: type[Task] | Task) -> str:
@@ -237,6 +271,7 @@ def provide(task: type[Task] | Task) -> str:
     script = getattr(module, "__file__", None) if cls.__module__ == "__main__" else None
     name = f"{Path(script).resolve() if script else cls.__module__}:{cls.__qualname__}"
     check_task_class(cls, name)
+    _IN_PROCESS_CLASSES[name] = cls
     if isinstance(task, type):
         _IN_PROCESS[name] = task
     else:
@@ -251,6 +286,37 @@ def provide(task: type[Task] | Task) -> str:
 def provided(name: str) -> bool:
     """Whether ``name`` is a task handed over by ``provide`` in this process."""
     return name in _IN_PROCESS
+
+
+def checkpoint_task(recorded: str, named: str | None, checkpoint: str, how: str) -> str:
+    """The ``task`` config value that evaluates a checkpoint whose config records ``recorded``.
+
+    A checkpoint is data, and whoever hands one over must not run code as the person who evaluates
+    it (Lightning's ``load_from_checkpoint`` likewise uses the class its caller names). A recorded
+    task that is not built in is therefore never imported: the person running the command names
+    the task (``named``: ``--task``, a ``task=`` override, a class handed to the API, or a class
+    handed over in this process before, as ``fit`` does), and the recorded name must then be that
+    class's or one of its bases' (the file or module may have moved). ``how`` says how to name it.
+    """
+    if named is None:
+        if recorded in TASKS or provided(recorded):
+            return recorded
+        raise ConfigError(f"checkpoint '{checkpoint}' was written by task '{printable(recorded)}', which is not "
+                          f"built in, and hvdtrain imports no code a checkpoint names: name the task yourself "
+                          f"({how}), from code you trust")
+    cls = _IN_PROCESS_CLASSES.get(named) or task_class(named)
+    wanted = TASKS.get(recorded, recorded).rpartition(":")[2]
+    if wanted not in {base.__qualname__ for base in cls.__mro__}:
+        raise ConfigError(f"checkpoint '{checkpoint}' was written by task '{printable(recorded)}' (class "
+                          f"{printable(wanted)}), but the task named here is {named} (class {cls.__qualname__}): "
+                          f"name the task that wrote it, or a subclass of it")
+    return named
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` from a file (a checkpoint) fit for a one-line message: no control characters."""
+    shown = re.sub(r"[^\x20-\x7e]", "?", text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 def build_task(cfg: Config) -> Task:

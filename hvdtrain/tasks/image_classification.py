@@ -98,6 +98,7 @@ def uses_shards(data) -> bool:
 class ImageClassification(Task):
     name = "image_classification"
     sum_fields = SUM_FIELDS
+    metric_directions = {"loss": "min", "top1": "max", "top5": "max"}
     best_metric = "top1"
     higher_is_better = True
     unit = "img"

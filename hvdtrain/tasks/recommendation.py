@@ -99,6 +99,10 @@ def save_id_map(run_dir: Path, id_map: IdMap) -> None:
 class Recommendation(Task):
     name = "recommendation"
     sum_fields = EXPLICIT_FIELDS
+    # Both objectives' metrics: a run reports one set or the other. The baselines are reported to
+    # compare with, and have a direction too.
+    metric_directions = {"loss": "min", "rmse": "min", "mae": "min", "baseline_rmse": "min", "baseline_mae": "min",
+                         "hr10": "max", "ndcg10": "max", "baseline_hr10": "max", "baseline_ndcg10": "max"}
     best_metric = "rmse"
     higher_is_better = False
     unit = "samples"

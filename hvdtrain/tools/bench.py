@@ -72,7 +72,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     from ..data.synthetic import SyntheticBatches
     from ..engine import train_one_epoch
     from ..phases import PHASES, epoch_phases
-    from ..run import resume_and_broadcast, setup
+    from ..run import audit_ranks, resume_and_broadcast, setup
 
     run = setup(cfg)
     resume_and_broadcast(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
@@ -102,11 +102,18 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
             synthetic.images, synthetic.labels = synthetic.images.pin_memory(), synthetic.labels.pin_memory()
         return synthetic
 
+    audit_every = cfg.runtime.audit_every if cfg.runtime.audit != "off" else 0
+
+    def audit_step(state_: Any) -> None:
+        # runtime.audit_every: the cross-rank audit inside the timed steps, as training runs it.
+        if audit_every and state_.position.step % audit_every == 0:
+            audit_ranks(run, f"global step {state_.position.step}")
+
     def timed_epoch(batches, count: int) -> dict[str, Any]:
         # train_one_epoch runs from the position in the epoch up to ``count``: every call starts
         # from step 0, or the warm-up would eat the first repeat and later repeats run nothing.
         state.position.start_epoch(0)
-        metrics = train_one_epoch(state, settings, batches, count, dist.allreduce_sum)
+        metrics = train_one_epoch(state, settings, batches, count, dist.allreduce_sum, on_step=audit_step)
         if metrics["steps"] != count:
             raise RuntimeError(f"bench: {metrics['steps']} of {count} steps ran")
         return metrics
@@ -133,6 +140,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         samples_run.append(metrics["samples"])
         rank_phases.append(metrics["rank_phases"])
     per_rank = dist.allgather_object(local_rates, name="bench_rates")
+    audit_cost = time_audit(run, timed_seconds / (steps * repeats)) if cfg.runtime.audit != "off" else {}
     step_phases = {}
     if settings.phase_timing:
         mine = {phase: sum(r[phase] * r["steps"] for r in rank_phases) for phase in PHASES}
@@ -159,8 +167,25 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
                       "repeats": rates} for r, rates in enumerate(per_rank)],
         "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
         "phases": step_phases,  # fraction of step time by phase, mean over ranks (phases.py)
-        **ema,
+        **ema, **audit_cost,
     }
+
+
+def time_audit(run: Any, step_seconds: float, calls: int = 5) -> dict[str, Any]:
+    """What one cross-rank audit costs (fingerprint, gather, compare; the median of ``calls``), as
+    seconds and as a fraction of one timed step."""
+    from .. import dist
+    from ..audit import audit, fingerprint
+
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        start = time.perf_counter()
+        audit(run.state, "bench", floating_buffers=True)
+        times.append(time.perf_counter() - start)
+    seconds = max(dist.allgather_object(sorted(times)[calls // 2], name="bench_audit"))
+    return {"audit_seconds": seconds, "audit_step_fraction": seconds / step_seconds,
+            "audit_values": len(fingerprint(run.state, True)[0])}
 
 
 def format_report(result: dict[str, Any]) -> list[str]:
@@ -186,6 +211,10 @@ def format_report(result: dict[str, Any]) -> list[str]:
         lines.append(f"bench: model EMA update (every {result['ema_every_steps']} step(s)): "
                      f"{1000 * result['ema_seconds_per_step']:.2f} ms per step, "
                      f"{100 * result['ema_update_fraction']:.2f}% of the step time")
+    if "audit_seconds" in result:
+        lines.append(f"bench: cross-rank audit: {1000 * result['audit_seconds']:.2f} ms each "
+                     f"({result['audit_values']} values), {100 * result['audit_step_fraction']:.2f}% of one step; "
+                     f"by default it runs at checkpoints and epoch ends only (runtime.audit_every=N: every N steps)")
     lines.append(f"images_per_sec={result['images_per_sec']:.2f}")
     return lines
 

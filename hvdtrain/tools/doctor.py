@@ -63,6 +63,19 @@ class Host:
 
 
 # --- arguments ---------------------------------------------------------------------------------
+def check_host_name(name: str, where: str) -> str:
+    """``name``, unless ssh or mpirun would read it as an option (``-oProxyCommand=...`` runs a
+    command), or a shell would read part of it: horovodrun runs ``ssh <host> ...`` through a shell."""
+    if name.startswith("-"):
+        raise DoctorError(f"{where}: host name '{name}' starts with '-', which ssh and mpirun would read as an "
+                          "option: remove it or correct the name")
+    odd = sorted(set(re.sub(r"[A-Za-z0-9._@-]", "", name)))
+    if odd:
+        raise DoctorError(f"{where}: host name '{name}' holds {' '.join(repr(c) for c in odd)}, which no host name "
+                          "has (letters, digits, '.', '-', '_', user@host): correct the name")
+    return name
+
+
 def parse_hosts(spec: str) -> list[Host]:
     """``node0:2,node1:2`` (slots default to 1) -> hosts, as horovodrun's -H reads it."""
     hosts = []
@@ -70,7 +83,7 @@ def parse_hosts(spec: str) -> list[Host]:
         name, _, slots = item.partition(":")
         if not name or (slots and not slots.isdigit()) or slots == "0":
             raise DoctorError(f"bad host '{item}' in -H: expected host or host:slots, e.g. node0:8,node1:8")
-        hosts.append(Host(name, int(slots or 1)))
+        hosts.append(Host(check_host_name(name, "-H"), int(slots or 1)))
     if not hosts:
         raise DoctorError("no hosts given: use -H node0:1,node1:1 or --hostfile FILE")
     return hosts
@@ -90,7 +103,7 @@ def read_hostfile(path: Path) -> list[Host]:
         match = re.fullmatch(r"(\S+)(?:\s+slots\s*=\s*(\d+))?(?:\s+max_slots\s*=\s*\d+)?", line)
         if not match or match.group(2) == "0":
             raise DoctorError(f"{path}:{number}: expected 'host slots=N', got '{line}'")
-        hosts.append(Host(match.group(1), int(match.group(2) or 1)))
+        hosts.append(Host(check_host_name(match.group(1), f"{path}:{number}"), int(match.group(2) or 1)))
     if not hosts:
         raise DoctorError(f"hostfile {path} lists no hosts")
     return hosts
@@ -132,7 +145,29 @@ def local_facts() -> dict[str, Any]:
         "horovod": dist.version(), "hvdtrain": hvdtrain.__version__,
         "hvdtrain_path": str(Path(hvdtrain.__file__).parent), "gpus": gpus, "built": dist.built(),
         "interfaces": interfaces, "hostname_problem": launcher.hostname_problem(),
+        "gloo_hides_env": gloo_launcher_hides_env(),
     }
+
+
+def gloo_launcher_hides_env() -> bool:
+    """Whether this Horovod's ``horovodrun --gloo`` keeps the environment's values out of the
+    ranks' command lines (third_party/horovod-0.28.1.patch). A stock Horovod 0.28.1 starts every
+    rank as ``sh -c 'env K=V ... python ...'`` with the whole environment, API keys included."""
+    try:
+        from horovod.runner import gloo_run
+    except ImportError:
+        return True  # no horovodrun: nothing to expose
+    return hasattr(gloo_run, "rank_env_vars")
+
+
+def secrets_note(hosts: list[Host]) -> str | None:
+    """One line naming the hosts whose horovodrun --gloo would show secrets to every user, or None."""
+    exposed = [h.name for h in hosts if h.facts and not h.facts.get("gloo_hides_env", True)]
+    if not exposed:
+        return None
+    return (f"note: {', '.join(exposed)}: this Horovod's horovodrun --gloo puts every environment value (API keys, "
+            f"passwords) in the ranks' command lines, which any user of the host reads with ps: install Horovod "
+            f"with hvdtrain's patch (make setup), or launch with mpirun -x NAME or srun (docs/launching.md)")
 
 
 def is_local(name: str) -> bool:
@@ -155,7 +190,7 @@ def ssh_command(host: str, remote: str, port: int | None, identity: str | None, 
         cmd += ["-p", str(port)]
     if identity:
         cmd += ["-i", identity]
-    return cmd + [host, remote]
+    return cmd + ["--", host, remote]  # '--': the host is never an option, whatever its name
 
 
 def probe_host(host: Host, args: argparse.Namespace) -> None:
@@ -334,6 +369,9 @@ def main(argv: list[str]) -> int:
     for host in reachable:
         if host.facts["gpus"] and host.slots > len(host.facts["gpus"]):
             print(f"note: {host.name} has {host.slots} slots but {len(host.facts['gpus'])} GPU(s): ranks would share GPUs")
+    note = secrets_note(hosts)
+    if note:
+        print(note)
     if problems:
         for problem in problems:
             print(f"hvdtrain doctor: {problem}", file=sys.stderr)

@@ -3,7 +3,7 @@
 Layout of DST (the format ``hvdtrain/data/shards.py`` reads, and the ``webdataset`` library too):
 
     manifest.json                   classes, images per shard, totals, options, sha256 per shard,
-                                    the source files that could not be read (skipped)
+                                    the source files that could not be read or are not images (skipped)
     train-000000.tar ...            {key}.jpg (or .png, ...) + {key}.cls (the label, ASCII digits)
     val-000000.tar ...
 
@@ -11,7 +11,8 @@ Keys are the image's position in its split's ImageFolder listing (``00001234``).
 records keep that order; training records are shuffled once with a fixed seed (ImageFolder order
 is class by class), so shard contents are a pure function of the source and the options.
 
-Safety and resume: each shard is written to ``.NAME.tmp-PID`` and renamed when complete, then a
+Safety and resume: each shard is written to a new ``.NAME.tmp-RANDOM`` (created with O_EXCL: never
+through a link planted in a shared destination) and renamed when complete, then a
 sidecar ``.prepare/NAME.json`` (its image count and sha256) is renamed into place. A rerun after an
 interruption keeps every shard whose sidecar is present and whose bytes still hash to it, and
 writes the others again; the tar files are deterministic (fixed mtime, owner and member order), so
@@ -19,13 +20,18 @@ the result is byte-identical to an uninterrupted run. ``manifest.json`` is writt
 destination holding anything that is not this tool's output (for the same source and options) is
 refused.
 
+What goes in: only files that are images (their header parses as one, whether copied or
+re-encoded; anything else is skipped and listed in the manifest). Links are followed as
+ImageFolder follows them, but a file reached through a link that leaves SRC stops the run with one
+line unless ``--follow-links``: in a folder others can write, a link to a private key would
+otherwise land in a shard. A symlink loop stops the scan with one line (``file_index.walk``).
+
 Only Pillow, simplejpeg and the standard library are used: no torch, so workers start fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import multiprocessing
@@ -33,11 +39,13 @@ import os
 import random
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from ..data.file_index import DataError, check_layout, scan_split
+from ..data.file_index import DataError, check_layout, scan_split, sha256_file
 
 FORMAT = "hvdtrain-shards-v1"
 MANIFEST = "manifest.json"
@@ -46,6 +54,9 @@ OPTIONS_FILE = "options.json"
 SPLITS = ("train", "val")
 # Images re-encoded to estimate the output size per image when --max-side plans the shards.
 ESTIMATE_SAMPLE = 32
+# What Pillow may identify a source file as (file_index.IMG_EXTENSIONS' formats; MPO: a JPEG with
+# extra frames, as cameras write). Anything else is skipped, never copied into a shard.
+IMAGE_FORMATS = {"JPEG", "MPO", "PNG", "PPM", "BMP", "TIFF", "WEBP"}
 
 
 class PrepareError(DataError):
@@ -69,7 +80,8 @@ def member_ext(path: str) -> str:
 
 
 def encode(path: str, max_side: int, quality: int) -> tuple[bytes, str]:
-    """The bytes and extension stored for one source file.
+    """The bytes and extension stored for one source file, which must be an image (its header
+    parses as one of IMAGE_FORMATS, ``Image.verify`` passes).
 
     Without ``max_side`` (or when the image already fits) the original bytes, untouched; otherwise
     the image downscaled so that its longer side is ``max_side`` (Pillow's reducing draft + Lanczos),
@@ -79,13 +91,14 @@ def encode(path: str, max_side: int, quality: int) -> tuple[bytes, str]:
         data = handle.read()
     if not data:
         raise ValueError("empty file")
-    if not max_side:
-        return data, member_ext(path)
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if max(image.size) <= max_side:
+            # Only images go into a shard, copied or not: a key or a text file named .jpg is skipped.
+            if image.format not in IMAGE_FORMATS:
+                raise ValueError(f"not an image ({image.format} data)")
+            if not max_side or max(image.size) <= max_side:
                 image.verify()
                 return data, member_ext(path)
             width, height = image.size
@@ -97,7 +110,7 @@ def encode(path: str, max_side: int, quality: int) -> tuple[bytes, str]:
         small.save(out, format="JPEG", quality=quality)
         return out.getvalue(), "jpg"
     except OSError as error:  # Pillow's UnidentifiedImageError, truncated data, ...
-        raise ValueError(f"{type(error).__name__}: {error}") from None
+        raise ValueError(f"not an image: {type(error).__name__}: {error}") from None
 
 
 def tar_member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -109,22 +122,32 @@ def tar_member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
     return info, io.BytesIO(data)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def fresh_file(folder: Path, name: str) -> tuple[BinaryIO, Path]:
+    """A new file ``.NAME.tmp-RANDOM`` in ``folder``, created with O_EXCL (a file or link someone
+    planted at a name we would pick is never written through), with the mode a plain create gives."""
+    descriptor, path = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(descriptor, 0o666 & ~umask)
+    return os.fdopen(descriptor, "wb"), Path(path)
+
+
+def write_new(path: Path, text: str) -> None:
+    """``path`` replaced atomically by ``text`` (a fresh temporary file, then a rename)."""
+    handle, scratch = fresh_file(path.parent, path.name)
+    with handle:
+        handle.write(text.encode("utf-8"))
+    os.replace(scratch, path)
 
 
 def write_shard(job: tuple[str, str, list[Record], int, int]) -> dict:
     """Write one shard (temporary name, then rename) and its sidecar; returns the sidecar."""
     dst, name, records, max_side, quality = job
     final, state = Path(dst) / name, Path(dst) / STATE_DIR / f"{name}.json"
-    scratch = Path(dst) / f".{name}.tmp-{os.getpid()}"
+    handle, scratch = fresh_file(Path(dst), name)
     skipped: list[str] = []
     images = 0
-    with tarfile.open(scratch, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with handle, tarfile.open(fileobj=handle, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for record in records:
             try:
                 data, ext = encode(record.path, max_side, quality)
@@ -137,9 +160,7 @@ def write_shard(job: tuple[str, str, list[Record], int, int]) -> dict:
     info = {"name": name, "images": images, "bytes": scratch.stat().st_size, "sha256": sha256_file(scratch),
             "skipped": skipped}
     os.replace(scratch, final)
-    side = state.with_name(f"{state.name}.tmp-{os.getpid()}")
-    side.write_text(json.dumps(info), encoding="utf-8")
-    os.replace(side, state)
+    write_new(state, json.dumps(info))
     return info
 
 
@@ -187,6 +208,32 @@ def estimated_sizes(records: list[Record], max_side: int, quality: int) -> list[
     return [int(mean)] * len(records)
 
 
+def outside_links(src: Path, split: str, paths: list[str]) -> list[tuple[str, str]]:
+    """(path, target) of the listed files that are, or lie under, a link to somewhere outside
+    ``src`` (resolved). One realpath per folder, and one per file that is itself a link."""
+    inside = str(src) + os.sep
+    by_folder: dict[str, list[str]] = {}
+    for path in paths:
+        folder, name = os.path.split(path)
+        by_folder.setdefault(folder, []).append(name)
+    found = []
+    for folder, names in by_folder.items():
+        where = src / split / folder
+        real = os.path.realpath(where)
+        if not (real + os.sep).startswith(inside):
+            found += [(str(where / name), os.path.join(real, name)) for name in names]
+            continue
+        try:
+            links = {entry.name for entry in os.scandir(where) if entry.is_symlink()}
+        except OSError:
+            continue
+        for name in set(names) & links:
+            target = os.path.realpath(where / name)
+            if not target.startswith(inside):
+                found.append((str(where / name), target))
+    return sorted(found)
+
+
 def check_destination(dst: Path, options: dict) -> None:
     """Refuse a non-empty destination that is not an unfinished or finished run with these options."""
     if not dst.exists():
@@ -210,8 +257,13 @@ def check_destination(dst: Path, options: dict) -> None:
 
 
 def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 0, quality: int = 90,
-            workers: int = 1, progress: bool = True) -> dict:
-    """Write the shards and the manifest (see the module docstring); returns the manifest."""
+            workers: int = 1, progress: bool = True, follow_links: bool = False) -> dict:
+    """Write the shards and the manifest (see the module docstring); returns the manifest.
+
+    Links inside the source are followed as ImageFolder follows them; a file reached through a
+    link that leaves the source folder is refused (one line naming it) unless ``follow_links``:
+    in a folder others can write to, such a link would copy any file this user can read (a
+    private key) into the shards. A symlink loop stops the scan (file_index.walk)."""
     if max_side < 0 or not 1 <= quality <= 100 or shard_size_mb <= 0 or workers < 1:
         raise PrepareError("need --max-side >= 0, 1 <= --quality <= 100, --shard-size > 0 and --workers >= 1")
     src = src.expanduser().resolve()
@@ -236,7 +288,16 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
     jobs, done, classes = [], {}, None
     splits: dict[str, list[str]] = {}
     for split in SPLITS:
-        index = scan_split(src / split)
+        try:
+            index = scan_split(src / split)
+        except DataError as error:
+            raise PrepareError(f"source: {error}") from None
+        outside = [] if follow_links else outside_links(src, split, index.paths)
+        if outside:
+            path, target = outside[0]
+            raise PrepareError(f"{len(outside)} file(s) in {src / split} lead outside {src} through links (e.g. "
+                               f"{path} -> {target}): remove the links, or pass --follow-links if they are "
+                               f"images you mean to include")
         classes = classes or index.classes
         records = [Record(f"{i:08d}", str(src / split / path), label)
                    for i, (path, label) in enumerate(zip(index.paths, index.labels))]
@@ -285,9 +346,7 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
     manifest["totals"] = {"images": sum(s["images"] for s in manifest["splits"].values()),
                           "bytes": sum(s["bytes"] for split in manifest["splits"].values() for s in split["shards"]),
                           "skipped": len(manifest["skipped"])}
-    scratch = dst / f".{MANIFEST}.tmp-{os.getpid()}"
-    scratch.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    os.replace(scratch, dst / MANIFEST)
+    write_new(dst / MANIFEST, json.dumps(manifest, indent=1))
     for side in (dst / STATE_DIR).iterdir():
         side.unlink()
     (dst / STATE_DIR).rmdir()
@@ -297,7 +356,7 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
           f"{totals['bytes'] / 2**20:.1f} MiB, {totals['skipped']} skipped, {seconds:.1f}s "
           f"({total / max(seconds, 1e-9):.0f} images/s written) -> {dst}", file=sys.stderr)
     for entry in manifest["skipped"][:10]:
-        print(f"prepare: skipped unreadable {entry}", file=sys.stderr)
+        print(f"prepare: skipped {entry}", file=sys.stderr)
     return manifest
 
 
@@ -315,7 +374,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quality", type=int, default=90, metavar="Q", help="JPEG quality with --max-side (default 90)")
     parser.add_argument("--workers", type=int, default=1, metavar="K", help="processes writing shards (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--follow-links", action="store_true",
+                        help="include files reached through links that leave SRC (default: refuse them)")
     args = parser.parse_args(argv)
     prepare(Path(args.src), Path(args.dst), args.shard_size, args.max_side, args.quality, args.workers,
-            progress=not args.no_progress)
+            progress=not args.no_progress, follow_links=args.follow_links)
     return 0

@@ -14,10 +14,13 @@ import json
 import math
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..data import DataError
 from ..phases import LABELS, PHASES
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -96,48 +99,95 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
     return lines
 
 
-def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summary: list[str]) -> None:
+# Figure geometry, in inches at DPI: three panels a row, then the summary in a band of its own
+# whose height follows its number of lines, so nothing is squeezed or drawn over.
+DPI = 100
+WIDTH_IN = 15.0
+PANEL_ROW_IN = 3.3
+SUMMARY_FONT_PT = 9
+LINE_SPACING = 1.25
+# DejaVu Sans Mono's advance is 0.602 em; the rest of the width is the figure's margins.
+MONO_ADVANCE_EM = 0.602
+# Up to this many epochs, points carry markers and the phases are bars; beyond, lines and areas.
+MARKED_EPOCHS = 30
+
+
+def summary_width_chars(width_in: float = WIDTH_IN, font_pt: float = SUMMARY_FONT_PT) -> int:
+    """Characters of monospace text that fit across the figure, less its margins."""
+    return int((width_in - 0.6) * 72 / (MONO_ADVANCE_EM * font_pt))
+
+
+def wrap_summary(summary: list[str]) -> list[str]:
+    """The summary's lines cut to the figure's width, continuations indented."""
+    width = summary_width_chars()
+    wrapped = []
+    for line in summary:
+        wrapped += textwrap.wrap(line, width, subsequent_indent="  ") or [""]
+    return wrapped
+
+
+def line_style(points: int) -> dict[str, Any]:
+    """Markers on the points of a short run; a plain line where they would crowd into a smear."""
+    return {"marker": "o", "markersize": 3} if points <= MARKED_EPOCHS else {"linewidth": 1.2}
+
+
+def legend_outside(axis: Any, handles: list[Any] | None = None, labels: list[str] | None = None) -> None:
+    """The legend right of the plotting area: it never covers a curve, and constrained layout
+    makes room for it."""
+    kwargs = {"handles": handles, "labels": labels} if handles is not None else {}
+    axis.legend(**kwargs, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8,
+                frameon=False)
+
+
+def draw(splits: dict[str, list[dict[str, Any]]], title: str, summary: list[str]) -> Figure:
+    """The report's figure, not saved: six panels in two rows of three, legends right of their
+    plots, then the summary text in a band of its own, laid out by constrained layout."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    lines = wrap_summary(summary)
+    summary_in = (len(lines) * LINE_SPACING * SUMMARY_FONT_PT) / 72 + 0.3
+    figure = plt.figure(figsize=(WIDTH_IN, 2 * PANEL_ROW_IN + summary_in + 0.5), dpi=DPI, layout="constrained")
+    grid = figure.add_gridspec(3, 3, height_ratios=[PANEL_ROW_IN, PANEL_ROW_IN, summary_in])
+    axes = [figure.add_subplot(grid[row, column]) for row in range(2) for column in range(3)]
     panels = [("loss", "loss", ("train", "val")), ("top1", "top-1 (%)", ("train", "val")),
               ("lr", "learning rate (end of epoch)", ("train",)), ("samples_per_sec", "images / s", ("train", "val"))]
-    figure, grid = plt.subplots(2, 4, figsize=(16, 6), dpi=80)
-    axes = list(grid.flat)
     for axis, (key, label, which) in zip(axes, panels):
         values = []
         for split in which:
             rows = [r for r in splits.get(split, []) if isinstance(r.get(key), (int, float))]
             if rows:
                 values += [r[key] for r in rows]
-                axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], marker="o",
-                          markersize=3, label=split)
+                axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], label=split,
+                          **line_style(len(rows)))
         axis.set_title(label, fontsize=10)
         if len(which) > 1 and axis.lines:
-            axis.legend(fontsize=8)
+            legend_outside(axis)
         positive = [v for v in values if v > 0 and math.isfinite(v)]
         if key == "loss" and positive and max(positive) > 20 * min(positive):
             axis.set_yscale("log")  # an early spike would flatten the rest of the curve
     plot_phases(axes[4], splits.get("train", []))
     plot_usage(axes[5], splits.get("train", []))
-    for axis in axes[:6]:
+    for axis in axes:
         axis.set_xlabel("epoch", fontsize=9)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.tick_params(labelsize=8)
         axis.grid(alpha=0.3)
-    axes[7].axis("off")  # the summary text runs over the last two cells
-    text_axis = axes[6]
+    text_axis = figure.add_subplot(grid[2, :])
     text_axis.axis("off")
-    wrapped = []
-    for line in summary:
-        wrapped += textwrap.wrap(line, 96, subsequent_indent="  ")
-    text_axis.text(0, 1, "\n".join(wrapped), va="top", ha="left", fontsize=8, family="monospace",
-                   transform=text_axis.transAxes)
+    text_axis.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=SUMMARY_FONT_PT, family="monospace",
+                   linespacing=LINE_SPACING, transform=text_axis.transAxes)
     figure.suptitle(title, fontsize=11)
-    figure.tight_layout()
+    return figure
+
+
+def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summary: list[str]) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = draw(splits, title, summary)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     plt.close(figure)
@@ -148,14 +198,23 @@ def plot_phases(axis: Any, train: list[dict[str, Any]]) -> None:
     timed = [r for r in train if "phase_compute" in r]
     if timed:
         epochs = [int(r["epoch"]) + 1 for r in timed]
-        axis.stackplot(epochs, *[[r[f"phase_{p}"] for r in timed] for p in PHASES],
-                       labels=[LABELS[p] for p in PHASES], alpha=0.85)
-        axis.legend(fontsize=7, loc="upper left")
+        fractions = [[r[f"phase_{p}"] for r in timed] for p in PHASES]
+        if len(timed) <= MARKED_EPOCHS:
+            # Stacked bars, one per epoch: readable from a single epoch (an area needs two).
+            bottom = [0.0] * len(timed)
+            bands = []
+            for phase, heights in zip(PHASES, fractions):
+                bands.append(axis.bar(epochs, heights, bottom=bottom, width=0.8, label=LABELS[phase], alpha=0.85))
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        else:  # bars of many epochs alias into stripes
+            bands = axis.stackplot(epochs, *fractions, labels=[LABELS[p] for p in PHASES], alpha=0.85)
+        # Listed top band first, as the bands are stacked.
+        legend_outside(axis, bands[::-1], [LABELS[p] for p in PHASES][::-1])
         axis.set_title("train step time by phase (fraction)", fontsize=10)
     else:  # runs from before phase timing
         rows = [r for r in train if "data_wait_fraction" in r]
-        axis.plot([int(r["epoch"]) + 1 for r in rows], [r["data_wait_fraction"] for r in rows], marker="o",
-                  markersize=3)
+        axis.plot([int(r["epoch"]) + 1 for r in rows], [r["data_wait_fraction"] for r in rows],
+                  **line_style(len(rows)))
         axis.set_title("data wait (fraction of train time)", fontsize=10)
     axis.set_ylim(0, 1)
 
@@ -166,13 +225,16 @@ def plot_usage(axis: Any, train: list[dict[str, Any]]) -> None:
                        ("gpu_util_percent", "GPU busy % (mean)"), ("gpu_util_percent_min", "GPU busy % (least)")):
         rows = [r for r in train if isinstance(r.get(key), (int, float))]
         if rows:
-            axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], marker="o", markersize=3,
-                      label=label)
+            axis.plot([int(r["epoch"]) + 1 for r in rows], [r[key] for r in rows], label=label,
+                      **line_style(len(rows)))
     if any("gpu_util_percent" in r for r in train):
-        axis.axhline(95, color="grey", linestyle=":", linewidth=1)  # the rule of thumb
+        axis.axhline(95, color="grey", linestyle=":", linewidth=1, label="95% (rule of thumb)")
     axis.set_title("CPU and GPU use (train)", fontsize=10)
     if axis.lines:
-        axis.legend(fontsize=7)
+        legend_outside(axis)
+    else:  # runs from before host statistics
+        axis.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", fontsize=9, color="grey",
+                  transform=axis.transAxes)
 
 
 def cmd_report(argv: list[str]) -> int:

@@ -52,6 +52,9 @@ def test_bench_two_ranks(launcher, controller, tmp_path):
     result = check(run.stdout, 2, out)
     assert result["controller"] == controller and result["compression"] == "none"
     assert result["threads_per_rank"] == 1
+    # The cross-rank audit's cost: timed for real (a positive duration, every value of the state).
+    assert result["audit_seconds"] > 0 and result["audit_values"] > 20 and 0 < result["audit_step_fraction"]
+    assert "bench: cross-rank audit: " in run.stdout
 
 
 def test_bench_rejects_bad_flags(tmp_path):

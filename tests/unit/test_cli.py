@@ -32,7 +32,7 @@ def no_training(monkeypatch):
         raise AssertionError("training started")
 
     fake.train = train
-    fake.LostRank = fake.Preempted = type("NotRaised", (Exception,), {})
+    fake.JobStopped = fake.Preempted = type("NotRaised", (Exception,), {})
     monkeypatch.setitem(sys.modules, "hvdtrain.trainer", fake)
 
 

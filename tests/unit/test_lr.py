@@ -69,3 +69,13 @@ def test_no_weight_decay_on_biases_and_norms():
     assert decay["weight_decay"] == 1e-4 and no_decay["weight_decay"] == 0.0
     assert sorted(p.ndim for p in decay["params"]) == [2, 4]
     assert len(no_decay["params"]) == 4  # conv bias, BN weight and bias, linear bias
+
+
+def test_warmup_start_as_a_fraction_of_the_peak():
+    # Below a global batch of 256 the Goyal warm-up starts at the peak (nothing to warm up); a
+    # warm-up from zero (NVIDIA, MLPerf) or from a fraction of the peak is optim.warmup_start.
+    for fraction, first in ((0.0, 0.0), (0.1, 0.01), (-1.0, 0.1)):
+        sched = LRSchedule.from_config(OptimConfig(base_lr=0.4, warmup_epochs=2, warmup_start=fraction,
+                                                   schedule="cosine"), 64, 8, 10)
+        assert sched.peak_lr == pytest.approx(0.1) and lr_at(0, sched) == pytest.approx(first)
+        assert lr_at(10, sched) == pytest.approx((first + 0.1) / 2) and lr_at(20, sched) == pytest.approx(0.1)

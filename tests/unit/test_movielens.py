@@ -115,32 +115,29 @@ def test_random_split_is_a_seeded_fraction():
 
 def test_cache_is_used_and_rebuilt_when_the_source_changes(tmp_path):
     path = write(tmp_path / "ml", "u.data")
-    first = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0)
-    assert not first.from_cache and first.cache_path.parent == tmp_path / "ml"
-    second = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0)
+    cache = tmp_path / "cache"
+    first = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0, fallback_cache=cache)
+    assert not first.from_cache and first.cache_path.parent == cache / "movielens"
+    second = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0, fallback_cache=cache)
     assert second.from_cache and np.array_equal(second.val, first.val)
     assert np.array_equal(second.ratings.item_ids, first.ratings.item_ids)
     # Another split is another cache entry.
-    assert not load_split(tmp_path / "ml", "random", 0.5, 0).from_cache
+    assert not load_split(tmp_path / "ml", "random", 0.5, 0, fallback_cache=cache).from_cache
     # The source changes (one more rating): parsed again, and the new rating is there.
     path.write_text(path.read_text() + "99\t10\t3\t1000\n")
     os.utime(path, ns=(1, 1))
-    third = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0)
+    third = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0, fallback_cache=cache)
     assert not third.from_cache and len(third.ratings) == len(ROWS) + 1
-    assert load_split(tmp_path / "ml", "leave_last_out", 0.1, 0).from_cache
+    assert load_split(tmp_path / "ml", "leave_last_out", 0.1, 0, fallback_cache=cache).from_cache
 
 
-def test_cache_falls_back_to_the_user_cache_when_next_to_the_source_fails(tmp_path):
-    from hvdtrain.data.movielens import cache_candidates, cache_key
-
-    path = write(tmp_path / "ml", "ratings.dat")
-    # A read-only folder, as root would still write it: a directory where the cache file would go.
-    beside = cache_candidates(path, cache_key(path, "leave_last_out", 0.1, 0, "fail"), None)[0]
-    beside.mkdir()
+def test_cache_is_in_the_user_cache_and_never_next_to_the_source(tmp_path):
+    write(tmp_path / "ml", "ratings.dat")
     split = load_split(tmp_path / "ml", "leave_last_out", 0.1, 0, fallback_cache=tmp_path / "cache")
     assert not split.from_cache and split.cache_path.parent == tmp_path / "cache" / "movielens"
     assert load_split(tmp_path / "ml", "leave_last_out", 0.1, 0, fallback_cache=tmp_path / "cache").from_cache
-    assert not [p for p in (tmp_path / "ml").iterdir() if ".tmp-" in p.name]  # no scratch file left behind
+    assert [p.name for p in (tmp_path / "ml").iterdir()] == ["ratings.dat"]  # nothing written beside the source
+    assert [p.name for p in split.cache_path.parent.iterdir()] == [split.cache_path.name]  # no scratch file left
 
 
 def test_generator_looks_like_ml_latest_small(tmp_path):

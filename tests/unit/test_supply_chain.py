@@ -1,0 +1,188 @@
+"""Issue 36, point 6: what setup installs and what fine-tuning downloads is what was meant. A Horovod
+wheel from a wheelhouse is installed only when nobody else can have swapped it (scripts/wheel-check.sh,
+run here on its own: the real setup takes minutes), every Python dependency is pinned alike in
+scripts/setup.sh and setup.py, and torchvision weights are checked against their published hash."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvdtrain.finetune import WeightsError, fetch_torchvision_weights
+
+REPO = Path(__file__).resolve().parents[2]
+CHECK = REPO / "scripts" / "wheel-check.sh"
+WHEEL_NAME = "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+KEY = "horovod-0.28.1-abc-cp311-torch2.13.0-x86_64-debian12-cpu"
+
+
+@pytest.fixture
+def wheelhouse(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(wheelhouse root, wheel, private destination folder), all private to this user."""
+    root = tmp_path / "wheelhouse"
+    (root / KEY).mkdir(parents=True)
+    wheel = root / KEY / WHEEL_NAME
+    wheel.write_bytes(b"PK\x03\x04 a wheel, as far as this test goes")
+    for path in (root, root / KEY):
+        path.chmod(0o755)
+    wheel.chmod(0o644)
+    dest = tmp_path / "checked"
+    dest.mkdir(mode=0o700)
+    return root, wheel, dest
+
+
+def check(wheel: Path, root: Path, dest: Path, hashes: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CHECK), str(wheel), str(root), str(dest), hashes], capture_output=True,
+                          text=True, timeout=30)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_wheel_only_its_owner_can_change_is_copied_and_installed(wheelhouse):
+    root, wheel, dest = wheelhouse
+    result = check(wheel, root, dest)
+    assert result.returncode == 0, result.stderr
+    copy = Path(result.stdout.strip())
+    assert copy == dest / WHEEL_NAME and copy.read_bytes() == wheel.read_bytes()
+    # setup's record beside a wheel it built must match (a damaged copy)
+    (wheel.parent / "SHA256SUMS").write_text(f"{sha256(wheel)}  {WHEEL_NAME}\n")
+    assert check(wheel, root, dest).returncode == 0
+    (wheel.parent / "SHA256SUMS").write_text(f"{'0' * 64}  {WHEEL_NAME}\n")
+    result = check(wheel, root, dest)
+    assert result.returncode == 1 and "a damaged copy" in result.stderr
+    assert not (dest / WHEEL_NAME).exists()  # nothing left to install by mistake
+
+
+@pytest.mark.parametrize("where, mode", [("root", 0o775), ("root", 0o757), ("key", 0o777), ("wheel", 0o664)],
+                         ids=["root-group", "root-others", "key-all", "wheel-group"])
+def test_a_wheelhouse_others_can_write_to_is_refused(wheelhouse, where, mode):
+    root, wheel, dest = wheelhouse
+    path = {"root": root, "key": root / KEY, "wheel": wheel}[where]
+    path.chmod(mode)
+    result = check(wheel, root, dest)
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wheel-check: {path.resolve()} can be written by others")
+    assert "HVDTRAIN_WHEELHOUSE_SHA256" in lines[0]
+    assert not (dest / WHEEL_NAME).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a file's owner needs root")
+def test_a_wheel_owned_by_another_user_is_refused(wheelhouse):
+    root, wheel, dest = wheelhouse
+    os.chown(wheel, 12345, 12345)
+    result = check(wheel, root, dest)
+    assert result.returncode == 1 and "owner uid 12345" in result.stderr
+
+
+def test_given_sums_decide_whoever_can_write_the_folder(wheelhouse):
+    root, wheel, dest = wheelhouse
+    root.chmod(0o777)  # a shared folder: only the sum the user gave can vouch for the wheel
+    right = sha256(wheel)
+    result = check(wheel, root, dest, f"{'1' * 64},{right.upper()}")
+    assert result.returncode == 0, result.stderr
+    result = check(wheel, root, dest, "1" * 64)
+    assert result.returncode == 1 and result.stderr == (
+        f"wheel-check: the Horovod wheel {wheel} has sha256 {right}, which HVDTRAIN_WHEELHOUSE_SHA256 does not "
+        "list: a different or tampered wheel; correct the sums or delete the wheel to compile Horovod\n")
+
+
+def test_a_link_out_of_the_wheelhouse_is_refused(wheelhouse, tmp_path):
+    root, wheel, dest = wheelhouse
+    elsewhere = tmp_path / "elsewhere.whl"
+    elsewhere.write_bytes(b"other")
+    wheel.unlink()
+    wheel.symlink_to(elsewhere)
+    result = check(wheel, root, dest)
+    assert result.returncode == 1 and "leads outside" in result.stderr
+
+
+def test_setup_installs_prebuilt_wheels_only_through_the_check():
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert 'source "$repo/scripts/wheel-check.sh"' in setup
+    # every candidate goes through verified_wheel, and what is installed is its checked copy
+    loop = setup[setup.index('for root in ${HVDTRAIN_WHEELHOUSE'):setup.index("install_wheel() {")]
+    assert 'verified_wheel "$candidate" "$root" "$checked_dir" "$hashes" || {' in loop and "wheel=$checked_wheel" in loop
+    assert "sha256sum horovod-\"$horovod_version\"-*.whl >SHA256SUMS" in setup
+    # the image build: the script is in the builder, and build-local.sh hands over the sums
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert "COPY scripts/setup.sh scripts/wheel-check.sh /opt/hvdtrain/src/scripts/" in dockerfile
+    assert "HVDTRAIN_WHEELHOUSE_SHA256=${HVDTRAIN_WHEELHOUSE_SHA256}" in dockerfile
+    assert '--build-arg "HVDTRAIN_WHEELHOUSE_SHA256=$sums"' in (REPO / "docker" / "build-local.sh").read_text()
+
+
+# --- pins ---------------------------------------------------------------------------------------------
+
+def setup_sh_pins() -> dict[str, str]:
+    text = (REPO / "scripts" / "setup.sh").read_text()
+    pins = {}
+    for array in ("torch_pins", "python_pins"):
+        body = re.search(rf"^{array}=\(([^)]*)\)", text, re.M).group(1)
+        for item in body.split():
+            name, sep, version = item.partition("==")
+            assert sep and re.fullmatch(r"[0-9][0-9.]*", version), f"setup.sh {array}: '{item}' is not pinned"
+            pins[name.lower()] = version
+    return pins
+
+
+def setup_py_requirements() -> list[str]:
+    tree = ast.parse((REPO / "setup.py").read_text())
+    call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+    return keywords["install_requires"] + [req for reqs in keywords["extras_require"].values() for req in reqs]
+
+
+def test_every_python_dependency_is_pinned_alike_in_setup_sh_and_setup_py():
+    pins = setup_sh_pins()
+    assert {"cloudpickle", "psutil", "packaging", "cffi", "setuptools", "wheel"} <= set(pins)
+    for requirement in setup_py_requirements():
+        name, sep, version = re.sub(r"\[.*\]", "", requirement).partition("==")
+        if name in ("torch", "torchvision"):  # pinned by setup.sh; HVDTRAIN_SYSTEM_TORCH keeps an image's own
+            assert not sep and name in pins
+            continue
+        assert sep, f"setup.py: '{requirement}' is not pinned"
+        assert pins.get(name.lower(), version) == version, f"setup.py pins {requirement}, setup.sh {pins[name.lower()]}"
+    installed = {name: pins[name] for name in ("psutil", "cloudpickle", "pyyaml")}
+    import importlib.metadata as metadata
+    assert {name: metadata.version(name) for name in installed} == installed  # pinned to what the venv has
+
+
+# --- torchvision weights --------------------------------------------------------------------------------
+
+def test_downloaded_torchvision_weights_must_match_the_published_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    tampered = b"not the weights torchvision published"
+
+    def download(url: str, target: str, hash_prefix: str | None = None, progress: bool = True) -> None:
+        Path(target).write_bytes(tampered)
+
+    # The default download (torch.hub's) is checked: no network needed, the file is what it returns.
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    with pytest.raises(WeightsError) as error:
+        fetch_torchvision_weights("resnet18", "IMAGENET1K_V1")
+    digest = hashlib.sha256(tampered).hexdigest()
+    assert str(error.value) == (
+        f"model.weights=IMAGENET1K_V1: the download of https://download.pytorch.org/models/resnet18-f37072fd.pth has "
+        f"SHA-256 {digest[:16]}..., not torchvision's f37072fd... (a corrupted or tampered file; it was deleted): "
+        f"try again, or fetch it yourself, check it and place it at {cached}")
+    assert list(cached.parent.iterdir()) == []  # neither the file nor a partial one stays in the cache
+
+    # A download that matches lands in the cache, under the name torchvision gives it.
+    good = b"weights whose hash the file name carries"
+    prefix = hashlib.sha256(good).hexdigest()[:8]
+    named = cached.with_name(f"model-{prefix}.pth")
+    monkeypatch.setattr("hvdtrain.finetune.torchvision_weights_file",
+                        lambda arch, spec: (named, f"https://download.pytorch.org/models/{named.name}"))
+    assert fetch_torchvision_weights("resnet18", "X", download=lambda url, target: Path(target).write_bytes(good)) \
+        == named
+    assert named.read_bytes() == good and len(list(cached.parent.iterdir())) == 1
