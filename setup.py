@@ -19,9 +19,14 @@ setup(
                     # back by webdataset), the digits dataset (scikit-learn) and timm's models.
                     "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0", "ray[default]==2.60.0",
                              "scikit-learn==1.9.1", "timm==1.0.31", "webdataset==1.0.2", "moto[server]==5.2.5",
-                             "fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0"],
+                             "fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0",
+                             # data.decoder=nvimgcodec through nvImageCodec's CPU backend (no GPU in CI)
+                             "nvidia-nvimgcodec-cu13==0.9.0.20", "nvidia-nvjpeg==13.3.2.43"],
                     # data.dir=s3://bucket/prefix (and other fsspec URLs) for shards
                     "s3": ["fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0"],
+                    # data.decoder=nvimgcodec: JPEGs decoded on the GPU (its hardware JPEG decoder on
+                    # A100/H100-class GPUs, nvJPEG otherwise), docs/data.md
+                    "gpudecode": ["nvidia-nvimgcodec-cu13==0.9.0.20", "nvidia-nvjpeg==13.3.2.43"],
                     # GPU utilization, memory and power per rank in metrics.jsonl (NVML)
                     "gpu": ["nvidia-ml-py==13.615.71"],
                     # timm's models (model.arch=timm/<name>)

@@ -64,7 +64,7 @@ def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loader
     env = DataEnv(rank=dist.rank(), world_size=dist.size(), pin_memory=device.type == "cuda",
                   broadcast_object=None if elastic else dist.broadcast_object,
                   local_rank_zero_first=contextlib.nullcontext if elastic else dist.local_rank_zero_first,
-                  keep_partial_batches=elastic)
+                  keep_partial_batches=elastic, device=device)
     loaders = task.build_loaders(env)
     passes = cfg.train.backward_passes_per_step
     steps_per_epoch = len(loaders.train) // passes

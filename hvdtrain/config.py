@@ -111,6 +111,8 @@ class DataConfig:
     """folder = an ImageFolder; shards = tar shards from hvdtrain prepare (docs/data.md); auto = shards when data.dir holds a manifest.json or is a URL (s3://...)."""
     shuffle_buffer: int = 1000
     """Shards: records each loader worker shuffles in its seeded buffer (more = better mixing, more memory)."""
+    decoder: Literal["cpu", "nvimgcodec", "auto"] = "auto"
+    """JPEG decoding: cpu = libjpeg-turbo in the loader workers; nvimgcodec = on the training device with nvImageCodec (the GPU's hardware JPEG decoder where it has one; its CPU backend without a GPU), the workers only read files and plan crops (make setup EXTRAS=gpudecode); auto = nvimgcodec on a GPU host that has it, else cpu."""
 
 
 @dataclass
@@ -247,6 +249,8 @@ class RuntimeConfig:
     """Let cuDNN pick the fastest convolution algorithms (fixed input sizes)."""
     compile: bool = False
     """Compile the model with torch.compile (slower start; measure with hvdtrain bench)."""
+    prefetch: bool = True
+    """CUDA: copy (and normalize, or decode with data.decoder=nvimgcodec) the next batch on a side stream while the current step runs; false = when the step asks for it."""
     phase_timing: bool = True
     """Time each step's phases (data wait, forward+backward, allreduce wait, optimizer) per rank, and name stragglers."""
     stats_interval: float = 1.0

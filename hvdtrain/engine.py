@@ -105,6 +105,7 @@ class StepSettings:
     clip_grad_norm: float = 0.0
     backward_passes_per_step: int = 1
     phase_timing: bool = True                  # time each step's phases (phases.py)
+    prefetch: bool = True                      # CUDA: the next batch to the device on a side stream
     seed: int = 0                              # cfg.seed: batch-level random augmentation derives from it
     # Called with the state after every optimizer step, on every rank (e.g. the model EMA's update).
     after_optimizer_step: list[Callable[[RunState], None]] = field(default_factory=list)
@@ -186,7 +187,7 @@ def train_one_epoch(
     model.train()
     sums = MetricSums(len(task.sum_fields)) if sums is None else sums
     passes = settings.backward_passes_per_step
-    iterator: Iterator = iter(batches)
+    iterator = DeviceBatches(batches, settings, count=(steps - position.step_in_epoch) * passes)
     clock = settings.step_clock()
     data_seconds = 0.0
     stopped = False
@@ -203,7 +204,7 @@ def train_one_epoch(
         clock.lap("other")
         for pass_index in range(passes):
             fetch_start = time.perf_counter()
-            inputs, targets = task.to_device(next(iterator), settings.device, settings.dtype)
+            inputs, targets = next(iterator)
             # Batch-level augmentation (mixup/cutmix): its draws depend only on the place in the run.
             inputs, targets = task.augment_batch(inputs, targets, batch_seed(settings.seed, position.epoch,
                                                                              position.step, pass_index, dist.rank()))
@@ -241,6 +242,73 @@ def train_one_epoch(
     return metrics
 
 
+class DeviceBatches:
+    """A loader's batches as the task's (inputs, targets) on the training device, at most ``count``.
+
+    On CUDA (``runtime.prefetch``) the next batch goes to the device on a side stream while the
+    current step computes: its host-to-device copy from pinned memory, and whatever the task does
+    there (normalization, the device JPEG decoder). The step's stream waits for that stream before
+    it reads the batch, and the batch's memory is marked as used by the step's stream, so the
+    caching allocator does not hand it out while the step still reads it. Only ``count`` batches are
+    taken from the loader, so nothing beyond the epoch's steps is read. Loaders whose checkpointed
+    position counts the batches taken (tar shards) get no prefetch: the batch taken ahead would be
+    counted as trained on. On a CPU, each batch is prepared when it is asked for.
+    """
+
+    def __init__(self, batches: Iterable[Any], settings: StepSettings, count: int | None = None):
+        self.iterator: Iterator = iter(batches)
+        self.settings, self.remaining = settings, count
+        device = settings.device
+        self.stream = torch.cuda.Stream(device) if (device.type == "cuda" and settings.prefetch and
+                                                    not getattr(batches, "counts_taken_batches", False)) else None
+        self.ready = self.load() if self.stream is not None else None
+
+    def __iter__(self) -> "DeviceBatches":
+        return self
+
+    def take(self) -> Any:
+        if self.remaining is not None:
+            if self.remaining <= 0:
+                raise StopIteration
+            self.remaining -= 1
+        return next(self.iterator)
+
+    def load(self) -> tuple[Any, torch.Tensor] | None:
+        settings = self.settings
+        try:
+            batch = self.take()
+        except StopIteration:
+            return None
+        with torch.cuda.stream(self.stream):
+            return settings.task.to_device(batch, settings.device, settings.dtype)
+
+    def __next__(self) -> tuple[Any, torch.Tensor]:
+        settings = self.settings
+        if self.stream is None:
+            return settings.task.to_device(self.take(), settings.device, settings.dtype)
+        if self.ready is None:
+            raise StopIteration
+        current = torch.cuda.current_stream(settings.device)
+        current.wait_stream(self.stream)
+        inputs, targets = self.ready
+        for tensor in tensors_in((inputs, targets)):
+            tensor.record_stream(current)
+        self.ready = self.load()
+        return inputs, targets
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a batch of nested tuples, lists and dicts (a task's inputs may be any of them)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
 def batch_seed(seed: int, epoch: int, step: int, pass_index: int, rank: int) -> int:
     """The random seed of one training batch on one rank: a 63-bit mix of its place in the run, so
     that a resumed run draws exactly what the uninterrupted one drew."""
@@ -272,8 +340,7 @@ def evaluate(state: RunState, settings: StepSettings, batches: Iterable[Any], al
     model.eval()
     sums = MetricSums(len(task.sum_fields))
     start = time.perf_counter()
-    for batch in batches:
-        inputs, targets = task.to_device(batch, settings.device, settings.dtype)
+    for inputs, targets in DeviceBatches(batches, settings):
         with settings.autocast():
             outputs = task.predict(model, inputs)
         loss = task.loss(outputs, targets, training=False)

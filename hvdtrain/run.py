@@ -93,7 +93,7 @@ def setup(cfg: Config) -> Run:
     settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                             clip_grad_norm=cfg.optim.clip_grad_norm,
                             backward_passes_per_step=cfg.train.backward_passes_per_step,
-                            phase_timing=cfg.runtime.phase_timing, seed=cfg.seed,
+                            phase_timing=cfg.runtime.phase_timing, prefetch=cfg.runtime.prefetch, seed=cfg.seed,
                             # A host sync every step costs nothing on a CPU; on a GPU it would stall the queue.
                             guard=FiniteGuard(device, check_every=1 if device.type == "cpu" else 100,
                                               max_skipped=cfg.amp.max_skipped_steps))

@@ -36,3 +36,7 @@ print(f"nvidia-smi: {len(util)} samples; utilization mean {sum(util)/len(util):.
       f"{sum(busy)/max(1,len(busy)):.1f}% over the {len(busy)} samples above 5%; "
       f"{100*sum(u >= 95 for u in busy)/max(1,len(busy)):.0f}% of those at >= 95%")
 PY
+# Real JPEGs: the CPU pipeline at 4, 8 and 16 loader workers against GPU decoding (nvimgcodec),
+# with the raw loop and bench again as references, utilization and CPU cores per contender.
+"$py" benchmarks/gpu/input_pipeline.py --out "$out/input" --batch-size "$batch" --steps "${INPUT_STEPS:-150}" \
+    2>&1 | grep -v "^\[" | tail -14

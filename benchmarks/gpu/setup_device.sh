@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu/setup_device.sh WHEELS SDIST [WHEEL_OUT]
 #
 # WHEELS: cloudpickle, psutil, pyyaml, packaging, cffi, tensorboardX, tqdm, nvidia-ml-py (and a
-# horovod-0.28.1-*.whl, if one was built before). WHEEL_OUT: where to leave the built Horovod wheel.
+# horovod-0.28.1-*.whl, if one was built before; nvidia-nvimgcodec-cu13 and nvidia-nvjpeg for
+# data.decoder=nvimgcodec, 25 MB and 4 MB). WHEEL_OUT: where to leave the built Horovod wheel.
 # GCC 13 and CMake 4 need two flags for the 0.28.1 sources (-include of standard headers; a policy minimum).
 # The venv is $HVD_VENV: by default python3's own venv when it runs in one (where the system's torch
 # is), else a new /tmp/hvd-venv over the system site-packages. Used for docs/benchmarks.md.
@@ -18,6 +19,10 @@ venv=${HVD_VENV:-$(python3 -c 'import sys; print(sys.prefix if sys.prefix != sys
 py=$venv/bin/python
 "$py" -m pip install -q --no-index --find-links "$wheels" cloudpickle psutil pyyaml packaging cffi tensorboardX tqdm simplejpeg \
     nvidia-ml-py
+# data.decoder=nvimgcodec (the gpudecode extra), when its wheels were carried along.
+if ls "$wheels"/nvidia_nvimgcodec_cu13-*.whl >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --find-links "$wheels" nvidia-nvimgcodec-cu13 nvidia-nvjpeg
+fi
 if ! "$py" -c 'import horovod.torch' 2>/dev/null; then
     wheel=$(ls "$wheels"/horovod-0.28.1-*.whl 2>/dev/null | head -1 || true)
     if [[ -z $wheel ]]; then

@@ -229,12 +229,18 @@ class TrainCrop:
                  hflip: float = 0.5, max_pixels: int = DEFAULT_MAX_PIXELS):
         self.size, self.scale, self.ratio, self.hflip, self.max_pixels = size, scale, ratio, hflip, max_pixels
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def plan(self, data: bytes) -> tuple[Box, int, bool, bool]:
+        """The crop box (original coordinates), the output size, the flip and whether libjpeg-turbo
+        reads the file: every random draw of the sample, from the header alone (the device decoder,
+        data/device_decode.py, takes the same plan)."""
         size = RESOLUTION.get() or self.size
         width, height, turbo = image_size(data, self.max_pixels)
         top, left, h, w = crop_params(width, height, self.scale, self.ratio)
         flip = bool(torch.rand(1) < self.hflip)
-        box = (float(left), float(top), float(w), float(h))
+        return (float(left), float(top), float(w), float(h)), size, flip, turbo
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        box, size, flip, turbo = self.plan(data)
         array, sx, sy = decode(data, box, size, turbo, self.max_pixels)
         return crop_resize(array, box, sx, sy, size, flip)
 

@@ -62,7 +62,10 @@ class ImageFiles(Dataset):
         for attempt in range(attempts):
             current = (index + attempt) % len(self.paths)
             try:
-                return self.load(current), self.labels[current], bad
+                image = self.load(current)
+                if not isinstance(image, torch.Tensor):  # planned for the device decoder: it names the file
+                    image.name = f"{self.split_dir}/{self.paths[current]}"
+                return image, self.labels[current], bad
             except BadImage as error:
                 bad.append(f"{self.split_dir}/{self.paths[current]} ({error})")
         if self.replace_bad:
@@ -72,9 +75,16 @@ class ImageFiles(Dataset):
 
 
 def collate(batch: list[tuple[torch.Tensor | None, int, list[str]]]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Stack into one NHWC buffer (one contiguous copy per image) seen as a channels_last NCHW batch."""
+    """Stack into one NHWC buffer (one contiguous copy per image) seen as a channels_last NCHW batch;
+    samples planned for the device decoder (data/device_decode.py) stay encoded, in an EncodedBatch."""
     kept = [(image, label) for image, label, _ in batch if image is not None]
     bad = [entry for _, _, entries in batch for entry in entries]
+    if kept and not isinstance(kept[0][0], torch.Tensor):
+        from .device_decode import EncodedBatch
+
+        samples = [image for image, _ in kept]
+        return (EncodedBatch(samples, replace_bad=False, names=[getattr(s, "name", "") for s in samples]),
+                torch.tensor([label for _, label in kept], dtype=torch.long), bad)
     if not kept:
         return torch.empty((0, 3, 1, 1), dtype=torch.uint8), torch.empty(0, dtype=torch.long), bad
     channels, height, width = kept[0][0].shape
@@ -92,11 +102,16 @@ class CountingLoader:
     at the end of each epoch).
     """
 
-    def __init__(self, loader: DataLoader, fail: bool):
+    def __init__(self, loader: DataLoader, fail: bool, replace_bad: bool | None = None):
         self.loader = loader
         self.fail = fail
         self.bad_files = 0
         self.warned: set[str] = set()
+        # Whether a bad file's slot takes another image (training) or is dropped (validation), for
+        # batches decoded later on the device; from the dataset (or a shard stream) by default.
+        dataset = getattr(loader.dataset, "dataset", loader.dataset)
+        self.replace_bad = bool(getattr(dataset, "replace_bad", getattr(dataset, "training", False))) \
+            if replace_bad is None else replace_bad
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -105,8 +120,10 @@ class CountingLoader:
         for images, labels, bad in self.loader:
             if bad:
                 self.note(bad)
-            if images.shape[0] == 0:
+            if len(images) == 0:
                 continue  # validation batch of bad files only: nothing to evaluate
+            if not isinstance(images, torch.Tensor):  # an EncodedBatch: its bad files show on the device
+                images.replace_bad, images.on_bad = self.replace_bad, self.note
             yield images, labels
 
     def note(self, bad: list[str]) -> None:

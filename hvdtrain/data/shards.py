@@ -535,6 +535,9 @@ class ShardLoader(CountingLoader):
     """CountingLoader over a ShardStream's DataLoader that counts the batches the trainer took
     (the position a checkpoint records) and prints the stream's notes once, on rank 0."""
 
+    # The engine must not take a batch ahead (engine.DeviceBatches' prefetch): it would count here.
+    counts_taken_batches = True
+
     def __init__(self, loader, stream: ShardStream, fail: bool):
         super().__init__(loader, fail)
         self.stream = stream

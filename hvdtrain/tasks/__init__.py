@@ -45,6 +45,8 @@ class DataEnv:
     local_rank_zero_first: Callable[[], ContextManager] = contextlib.nullcontext
     # Keep the last partial batch (elastic runs re-split an epoch's remaining samples).
     keep_partial_batches: bool = False
+    # The training device (a task may prepare batches for it, e.g. decode images there).
+    device: torch.device = torch.device("cpu")
 
 
 class Task:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from ..config import Config, ConfigError
 from ..data.demo import ensure_demo_dataset
+from ..data.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
 from ..data.file_index import FileIndex, shared_index
 from ..data.image_folder import CountingLoader, ImageFiles, collate
 from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
@@ -59,9 +60,11 @@ def summarize(sums: torch.Tensor) -> dict[str, float]:
 
 
 def file_datasets(data, root: Path, is_primary: bool = True, broadcast_object=None, augment=None,
-                  run_dir: Path | None = None, seed: int = 0) -> tuple[ImageFiles, ImageFiles, FileIndex]:
+                  run_dir: Path | None = None, seed: int = 0,
+                  transforms: tuple | None = None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
     """The train and val datasets over rank 0's (cached) file index; with ``data.val_fraction``,
-    val is the part of train/ recorded in ``run_dir`` (data/val_split.py)."""
+    val is the part of train/ recorded in ``run_dir`` (data/val_split.py). ``transforms``: (train,
+    val) instead of the CPU pipeline's (e.g. the device decoder's planning transforms)."""
     splits = ("train",) if data.val_fraction > 0 else ("train", "val")
     index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object, splits)
     val_dir = root / "val"
@@ -70,10 +73,9 @@ def file_datasets(data, root: Path, is_primary: bool = True, broadcast_object=No
                                    broadcast_object)
         index.note = note
         val_dir = root / "train"
-    train_set = ImageFiles(root / "train", index.train.paths, index.train.labels,
-                           fast_train_transform(data, augment), replace_bad=True)
-    val_set = ImageFiles(val_dir, index.val.paths, index.val.labels, fast_eval_transform(data),
-                         replace_bad=False)
+    train_transform, val_transform = transforms or (fast_train_transform(data, augment), fast_eval_transform(data))
+    train_set = ImageFiles(root / "train", index.train.paths, index.train.labels, train_transform, replace_bad=True)
+    val_set = ImageFiles(val_dir, index.val.paths, index.val.labels, val_transform, replace_bad=False)
     return train_set, val_set, index
 
 
@@ -109,6 +111,7 @@ class ImageClassification(Task):
         self.index: FileIndex | None = None
         self.shard_stream = None  # the shard loader's position in the epoch (data/shards.py), with data.format=shards
         self.normalizers: dict[tuple, DeviceNormalizer] = {}
+        self.device_decoder: DeviceDecoder | None = None  # data.decoder=nvimgcodec (data/device_decode.py)
         augment = cfg.augment
         self.mix = BatchMix(augment.mixup_alpha, augment.cutmix_alpha, augment.mix_prob, augment.switch_prob,
                             self.num_classes)
@@ -126,11 +129,12 @@ class ImageClassification(Task):
                                    self.num_classes, cfg.seed + 7919 + rank)
             return Loaders(train, val, None, per_rank * world_size, 0)
 
+        transforms = self.decoding(env)
         if uses_shards(data):
-            return self.shard_loaders(env)
+            return self.shard_loaders(env, transforms)
         root = dataset_root(cfg, env)
         train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object, cfg.augment,
-                                                       Path(cfg.output.dir), cfg.seed)
+                                                       Path(cfg.output.dir), cfg.seed, transforms)
         self.num_classes = cfg.model.num_classes or len(self.index.train.classes)
         self.mix.num_classes = self.num_classes
         train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True,
@@ -149,9 +153,27 @@ class ImageClassification(Task):
                                         drop_last=False, collate_fn=collate,
                                         generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
         return Loaders(train, val, train_sampler, len(train_set), len(val_set), val_sampler,
-                       note=self.index_note())
+                       note="; ".join(filter(None, [self.index_note(), self.decoding_note()])))
 
-    def shard_loaders(self, env: DataEnv) -> Loaders:
+    def decoding(self, env: DataEnv) -> tuple | None:
+        """``data.decoder``: None for the CPU pipeline, else the planning transforms of the device
+        decoder, which is made here (a missing library stops before any loader starts)."""
+        data = self.cfg.data
+        if choose(data.decoder, env.device) == "cpu":
+            return None
+        transforms = plan_transforms(data, self.cfg.augment)
+        threads = max(1, torch.get_num_threads()) if env.device.type == "cpu" else 2
+        self.device_decoder = DeviceDecoder(env.device, data.max_image_pixels, threads)
+        return transforms
+
+    def decoding_note(self) -> str:
+        if self.device_decoder is not None:
+            return self.device_decoder.describe()
+        return "JPEG decoding: libjpeg-turbo in the loader workers" + \
+            (" (data.decoder=nvimgcodec decodes on the GPU: make setup EXTRAS=gpudecode)"
+             if self.cfg.data.decoder == "auto" and torch.cuda.is_available() else "")
+
+    def shard_loaders(self, env: DataEnv, transforms: tuple | None = None) -> Loaders:
         """Loaders over ``hvdtrain prepare``'s tar shards (data/shards.py), local or at a URL."""
         from ..data import shards
 
@@ -161,11 +183,12 @@ class ImageClassification(Task):
         manifest = shards.read_manifest(data.dir)
         self.num_classes = cfg.model.num_classes or len(manifest.classes)
         train, val, stream = shards.shard_loaders(
-            manifest, env.rank, env.world_size, cfg.train.batch_size, fast_train_transform(data, cfg.augment),
-            fast_eval_transform(data), cfg.seed, data.shuffle_buffer, data.on_bad_file == "fail",
+            manifest, env.rank, env.world_size, cfg.train.batch_size,
+            *(transforms or (fast_train_transform(data, cfg.augment), fast_eval_transform(data))), cfg.seed, data.shuffle_buffer, data.on_bad_file == "fail",
             loader_kwargs(data, env.pin_memory), DataLoader, epoch_resolution(data) if data.augment else None)
         self.shard_stream = stream
-        return Loaders(train, val, stream, manifest.train.size, manifest.val.size, note=shards.describe(manifest))
+        return Loaders(train, val, stream, manifest.train.size, manifest.val.size,
+                       note="; ".join(filter(None, [shards.describe(manifest), self.decoding_note()])))
 
     def index_note(self) -> str:
         index = self.index
@@ -179,6 +202,10 @@ class ImageClassification(Task):
 
     def to_device(self, batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
         images, targets = batch
+        if isinstance(images, EncodedBatch):  # data.decoder=nvimgcodec: decoded here, on the device
+            images, positions = self.device_decoder(images)
+            if len(positions) != len(targets) or positions != list(range(len(targets))):
+                targets = targets[positions]
         # channels_last suits convolutions on the GPU (tensor cores); on the CPU it is slower here.
         key = (device, dtype)
         if key not in self.normalizers:

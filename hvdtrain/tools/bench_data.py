@@ -96,8 +96,35 @@ def run_round(iterator: Iterator, batches: int) -> tuple[int, float]:
     images = 0
     for _ in range(batches):
         batch = next(iterator)
-        images += batch[0].shape[0]
+        images += len(batch[0])
     return images, time.perf_counter() - start
+
+
+class DeviceRounds:
+    """data.decoder=nvimgcodec's two halves, timed apart: the loader side (read each file, plan its
+    crop from the header: what the workers' cores do) and the device side (decode the batch's crop
+    regions, resize, flip), with the CPU time the training process spends on the latter."""
+
+    def __init__(self, loader: DataLoader, decoder):
+        self.iterator, self.decoder = iter(loader), decoder
+        self.decode_seconds = self.decode_cpu_seconds = 0.0
+        self.decoded = 0
+
+    def __next__(self):
+        batch = next(self.iterator)
+        device = self.decoder.device
+        cpu, wall = time.process_time(), time.perf_counter()
+        images, _ = self.decoder(batch[0])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.decode_seconds += time.perf_counter() - wall
+        self.decode_cpu_seconds += time.process_time() - cpu
+        self.decoded += len(images)
+        return batch
+
+    def reset(self) -> None:
+        self.decode_seconds = self.decode_cpu_seconds = 0.0
+        self.decoded = 0
 
 
 def main(argv: list[str]) -> int:
@@ -118,6 +145,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shards", action="append", default=[], metavar="DIR",
                         help="also read these shards (hvdtrain prepare's output of the same images), interleaved; "
                         "repeatable")
+    parser.add_argument("--device-decode", action="store_true",
+                        help="also run data.decoder=nvimgcodec's pipeline (on the GPU, or nvImageCodec's CPU backend "
+                        "without one), interleaved: the workers' share (read and plan crops) and the device's "
+                        "(decode, resize) apart, and the CPU cores each needs per 1,000 img/s")
     parser.add_argument("--cold", action="store_true",
                         help="drop the page cache before every timed round (Linux, root): reads come from the "
                         "disk, as in a first epoch over a dataset larger than memory")
@@ -160,14 +191,27 @@ def main(argv: list[str]) -> int:
                                          collate_fn=collate, **kwargs)
     for number, shard_dir in enumerate(args.shards):
         pipelines[f"shards{number + 1}"] = shard_batches(shard_dir, cfg)
+    device_rounds = None
+    if args.device_decode:
+        from ..data.device_decode import DeviceDecoder, plan_transforms
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        plan_train, _ = plan_transforms(data, cfg.augment)
+        planned_set, _, _ = file_datasets(data, root, transforms=(plan_train, plan_train))
+        device_rounds = DeviceRounds(DataLoader(planned_set, batch_size=batch, sampler=FixedOrder(order),
+                                                drop_last=True, collate_fn=collate, **kwargs),
+                                     DeviceDecoder(device, data.max_image_pixels, threads))
+        pipelines["device"] = device_rounds
     cpu = cpu_name()
     print(f"bench-data: {root} ({len(train_set)} train images from {index.source}), crop {data.image_size}, "
           f"batch {batch}, workers {data.workers}, {threads} thread(s), {args.rounds} rounds x {args.batches} "
           f"batches; CPU {cpu}, {len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.2f}", flush=True)
-    iterators = {name: iter(loader) for name, loader in pipelines.items()}
+    iterators = {name: loader if name == "device" else iter(loader) for name, loader in pipelines.items()}
     opened = count_opens()
     for name, iterator in iterators.items():  # warm-up: worker start, first file reads
         run_round(iterator, args.batches)
+    if device_rounds is not None:
+        device_rounds.reset()
     rates: dict[str, list[float]] = {name: [] for name in pipelines}
     totals = {name: [0, 0.0] for name in pipelines}
     for round_index in range(args.rounds):
@@ -204,8 +248,26 @@ def main(argv: list[str]) -> int:
         print(f"{name}_images_per_sec={overall[name]:.1f} ({shard_dir}; ratio to hvdtrain on the folder "
               f"{overall[name] / overall['hvdtrain']:.2f}"
               + (f", to the reference {overall[name] / overall['reference']:.2f}" if args.compare else "") + ")")
+    if device_rounds is not None:
+        report_device(device_rounds, totals["device"][0], totals["device"][1], overall["hvdtrain"], threads)
     print(f"images_per_sec={overall['hvdtrain']:.1f}", flush=True)
     return 0
+
+
+def report_device(rounds: DeviceRounds, images: int, seconds: float, cpu_rate: float, threads: int) -> None:
+    """The device pipeline's two halves, and the CPU cores each takes per 1,000 images per second
+    (against the CPU pipeline's ``cpu_rate``, images per second per ``threads``)."""
+    decode_rate = rounds.decoded / max(rounds.decode_seconds, 1e-9)
+    plan_rate = images / max(seconds - rounds.decode_seconds, 1e-9)
+    cpu_per_image = rounds.decode_cpu_seconds / max(rounds.decoded, 1)
+    workers_cores, main_cores = 1000 / plan_rate * threads, 1000 * cpu_per_image
+    print(f"device_decode[{rounds.decoder.device}]: loader side (read, plan crops) {plan_rate:.1f} img/s per "
+          f"{threads} thread(s); device side (decode, resize) {decode_rate:.1f} img/s, {1000 * cpu_per_image:.2f} ms "
+          f"of the training process's CPU per image; images timed {rounds.decoded}")
+    print(f"cores_per_1000_img_per_sec[device]={workers_cores + main_cores:.2f} (workers {workers_cores:.2f}, "
+          f"training process {main_cores:.2f}); [cpu pipeline]={1000 / cpu_rate * threads:.2f}")
+    print(f"device_decode_images_per_sec={decode_rate:.1f}")
+    print(f"device_plan_images_per_sec={plan_rate:.1f}")
 
 
 def drop_page_cache() -> None:
