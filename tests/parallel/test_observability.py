@@ -28,7 +28,11 @@ def test_step_phases_and_host_statistics_per_rank(tiny_data, tmp_path):
     assert len(train) == 2
     for record in train:
         assert sum(record[f"phase_{p}"] for p in PHASES) == pytest.approx(1.0)
-        assert record["phase_compute"] > 0.1 and record["busy_ms_per_step"] > 0
+        assert record["phase_compute"] > 0 and record["busy_ms_per_step"] > 0
+    # Epoch 1's 4 steps include the loader worker's start (its first batch): on a loaded machine
+    # waiting for data was 76% of them (compute 7.5%). Epoch 2 is the steady state.
+    assert train[1]["phase_compute"] > 0.1
+    for record in train:
         assert [r["rank"] for r in record["by_rank"]] == [0, 1]
         for row in record["by_rank"]:
             assert row["host"] == "localhost"
