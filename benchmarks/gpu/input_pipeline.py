@@ -49,9 +49,11 @@ def write_one(args: tuple[Path, int]) -> None:
 
 
 def make_folder(root: Path, images: int, unique: int, val: int, classes: int = 100) -> None:
-    """train/ with ``images`` files (``unique`` distinct photos, the rest hard links), val/ with ``val``."""
+    """train/ with ``images`` files (``unique`` distinct photos, the rest hard links), val/ with ``val``;
+    both splits hold the same classes (at most ``val``)."""
     if (root / "val").is_dir():
         return
+    classes = min(classes, val)
     originals = root / "originals"
     originals.mkdir(parents=True, exist_ok=True)
     sources = [originals / f"photo_{i:05d}.JPEG" for i in range(unique)]
@@ -114,7 +116,8 @@ def epoch_rate(run_dir: Path) -> dict:
     """The trained epoch's own images/s, steps and samples (metrics.jsonl)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"][-1]
-    found = {"images_per_sec": train["samples_per_sec"], "samples": train["samples"], "steps": train.get("steps"),
+    found = {"images_per_sec": train["samples_per_sec"], "samples": train["samples"],
+             "steps": train["step"],  # one epoch from scratch: its global step count
              "data_wait_fraction": train["data_wait_fraction"]}
     if train.get("cpu_percent") is not None:
         # The trainer's own sampling during the epoch's training: the training process and its
