@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Horovod-based distributed ImageNet trainer for PyTorch",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
-    package_data={"hvdtrain": ["configs/*.yaml"]},
+    package_data={"hvdtrain": ["configs/*.yaml", "configs/*.json"]},
     python_requires=">=3.9",
     # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
     # The versions scripts/setup.sh pins (tests/unit/test_supply_chain.py keeps the two in step).

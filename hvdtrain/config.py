@@ -53,6 +53,15 @@ class ModelConfig:
     """Start from these weights (fresh runs): a torchvision weights name (IMAGENET1K_V1, DEFAULT), or a file (state dict, torchvision/timm checkpoint, hvdtrain checkpoint); empty = random init."""
     freeze: str = ""
     """Parameters that are not trained, as comma-separated name patterns (layer1, layer2.*, !fc); backbone = all but the classifier head. BatchNorm of frozen layers stays in eval mode."""
+    # --- initialization and architecture details of published recipes (docs/recipes.md) ---
+    zero_init_residual: bool = False
+    """torchvision ResNets: start the last BatchNorm of every residual block with gamma = 0, so each block starts as the identity (Goyal et al. 2017; timm's zero_init_last); false = gamma 1."""
+    conv_init: Literal["default", "fan_in", "fan_out"] = "default"
+    """Convolution weights: default = the model's own (torchvision ResNet: Kaiming normal, fan_out); fan_in or fan_out = redrawn Kaiming normal (ReLU gain) with that fan (NVIDIA DeepLearningExamples and MLPerf: fan_in)."""
+    head_init_std: float = 0.0
+    """Classifier head: weights drawn from N(0, this std), bias 0 (Goyal et al. 2017 and NVIDIA's MLPerf ResNet: 0.01); 0 = the model's own initialization."""
+    blurpool: bool = False
+    """FFCV's BlurPool: every convolution with stride > 1 and at least 16 input channels first blurs its input with a fixed [1 2 1] x [1 2 1] / 16 filter (libffcv/ffcv-imagenet train_imagenet.py)."""
 
 
 @dataclass
@@ -111,6 +120,10 @@ class DataConfig:
     """folder = an ImageFolder; shards = tar shards from hvdtrain prepare (docs/data.md); auto = shards when data.dir holds a manifest.json or is a URL (s3://...)."""
     shuffle_buffer: int = 1000
     """Shards: records each loader worker shuffles in its seeded buffer (more = better mixing, more memory)."""
+    val_crop_fraction: float = 0.0
+    """Validation center crop as a fraction of the resized image: the resize is floor(crop / fraction) (timm's crop_pct; 0.95 for timm's ResNet-strikes-back weights); 0 = data.val_resize, else round(crop / 0.875)."""
+    val_interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+    """Validation resize filter (Pillow's, antialiased); the training crop's stays bilinear. bicubic is timm's for its ResNets (needs the CPU decoder)."""
     decoder: Literal["cpu", "nvimgcodec", "auto"] = "auto"
     """JPEG decoding: cpu = libjpeg-turbo in the loader workers; nvimgcodec = on the training device with nvImageCodec (the GPU's hardware JPEG decoder where it has one; its CPU backend without a GPU), the workers only read files and plan crops (make setup EXTRAS=gpudecode); auto = nvimgcodec on a GPU host that has it, else cpu."""
 
@@ -127,10 +140,14 @@ class AugmentConfig:
     """random_pad: pixels of zero padding on each side of the image (resized to image_size) before the random crop."""
     hflip: float = 0.5
     """Probability of a horizontal flip; 0 = never (digits, text)."""
-    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment"] = "none"
-    """Augmentation policy on the uint8 training crops (torchvision transforms.v2), seeded per sample."""
+    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment", "timm_randaugment"] = "none"
+    """Augmentation policy on the uint8 training crops, seeded per sample: torchvision transforms.v2's, or timm_randaugment = timm's RandAugment (rand-mM-nN-mstdS-incI: each of augment.num_ops ops applied with probability 0.5, magnitude on timm's 0-10 scale)."""
     magnitude: int = 9
-    """RandAugment magnitude (0 .. augment.magnitude_bins - 1)."""
+    """RandAugment magnitude: torchvision's randaugment 0 .. augment.magnitude_bins - 1 (6 of 31 bins is 6/30 of the strongest); timm_randaugment 0 .. 10 (timm's m6 is 6/10: ShearX 0.18, Rotate 18 degrees)."""
+    magnitude_std: float = 0.0
+    """timm_randaugment: each op's magnitude drawn from N(augment.magnitude, this std), clipped to 0 .. 10 (timm's mstd, 0.5 in rand-m6-mstd0.5); 0 = fixed."""
+    increasing_ops: bool = False
+    """timm_randaugment: timm's inc1 op set, in which Posterize, Solarize, Color, Contrast, Brightness and Sharpness grow stronger with the magnitude (false = timm's default set, where some weaken)."""
     num_ops: int = 2
     """RandAugment: operations per image."""
     magnitude_bins: int = 31
@@ -181,10 +198,24 @@ class OptimConfig:
     """Linear warm-up to the scaled learning rate over this many epochs, from the rate optim.warmup_start says."""
     warmup_start: float = -1.0
     """Where the warm-up starts, as a fraction of the scaled (peak) rate: 0 = from zero, 0.1 = a tenth of it; -1 = Goyal et al.: from the per-256 rate optim.base_lr, which is no warm-up at a global batch of 256 or less."""
+    warmup_start_lr: float = -1.0
+    """Where the warm-up starts, as an absolute rate (timm's warmup_lr, e.g. 1e-4); -1 = as optim.warmup_start says (set one of the two)."""
+    warmup_prefix: bool = True
+    """true: the cosine or poly decay runs from the end of the warm-up to the last epoch; false: it runs over the whole run from epoch 0 and the warm-up replaces its first epochs (timm's warmup_prefix=False)."""
+    lr_step: Literal["step", "epoch", "epoch_warmup_end"] = "step"
+    """How often the rate changes: step = every optimizer step; epoch = once per epoch, at the per-step schedule's value at the epoch's start (timm's schedulers); epoch_warmup_end = the same, except that each warm-up epoch takes the value the warm-up reaches at its end (NVIDIA DeepLearningExamples: peak x (epoch + 1) / warmup_epochs)."""
+    no_decay: Literal["ndim", "norm", "names"] = "ndim"
+    """Parameters without weight decay: ndim = every 1-d parameter (normalization and biases: MLPerf's reference, timm); norm = normalization layers only, biases decayed (Goyal et al., NVIDIA's MLPerf ResNet); names = those whose name contains one of optim.no_decay_names (FFCV and NVIDIA DeepLearningExamples: 'bn', which decays torchvision's downsample BatchNorm and the fc bias)."""
+    no_decay_names: str = "bn"
+    """optim.no_decay=names: comma-separated substrings of parameter names exempt from weight decay."""
     schedule: Literal["step", "cosine", "poly"] = "step"
     """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to optim.end_lr; poly: (1 - progress)^optim.poly_power to optim.end_lr (MLPerf)."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (validation loss is plain cross-entropy)."""
+    loss: Literal["cross_entropy", "bce"] = "cross_entropy"
+    """Training loss: cross_entropy, or bce = binary cross-entropy with logits on (smoothed, mixed) one-hot targets, averaged over images and classes (timm's BinaryCrossEntropy; ResNet strikes back)."""
+    bce_target_threshold: float = 0.0
+    """optim.loss=bce: targets above this become 1 and the rest 0 (timm's bce_target_thresh); 0 = soft targets."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
     head_lr_mult: float = 1.0
@@ -198,6 +229,10 @@ class OptimConfig:
     """Exponent of the poly schedule (MLPerf: 2; 1 = linear decay, FFCV's schedule)."""
     lars_eta: float = 0.001
     """LARS trust coefficient eta: local rate = eta * ||w|| / (||g|| + weight_decay * ||w||)."""
+    lars_momentum_correction: bool = False
+    """LARS: scale the momentum by lr_t / lr_(t-1) whenever the rate changes (Goyal et al.'s momentum correction, in NVIDIA's MLPerf LARS: the rate sits inside the momentum buffer)."""
+    lamb_max_grad_norm: float = 0.0
+    """LAMB: divide every gradient by max(1, global gradient norm / this) before the moments (timm's Lamb: 1.0); 0 = off."""
     beta1: float = 0.9
     """LAMB/AdamW first-moment decay."""
     beta2: float = 0.999
@@ -363,6 +398,10 @@ class EvalConfig:
     """Test-time augmentation: average the logits of each validation image and its mirror image."""
     ema: bool = False
     """hvdtrain evaluate: score the checkpoint's EMA weights instead of the raw ones."""
+    every_epochs: int = 1
+    """Validate after the epochs whose 0-based index e has e % eval.every_epochs == eval.offset_epochs, and after the last epoch (MLPerf ResNet: every 4, offset 2)."""
+    offset_epochs: int = 0
+    """The 0-based index of the first validated epoch, below eval.every_epochs (NVIDIA's MLPerf eval_offset 2 with period 4: after epochs 3, 7, 11, ... of the log's count)."""
 
 
 @dataclass
@@ -719,6 +758,62 @@ def validate_recipes(cfg: Config) -> None:
                           "set train.target too")
     if cfg.eval.ema and not ema.decay:
         raise ConfigError("eval.ema=true needs a checkpoint trained with the EMA (ema.decay > 0)")
+    validate_published_recipes(cfg)
+
+
+def validate_published_recipes(cfg: Config) -> None:
+    """The keys that published recipes need (issue 37): warm-up start and stepping, weight-decay
+    exemption, BCE, LARS/LAMB details, timm's RandAugment, validation crop and cadence."""
+    optim, augment, data, evaluation = cfg.optim, cfg.augment, cfg.data, cfg.eval
+    if not (optim.warmup_start_lr == -1 or optim.warmup_start_lr >= 0):
+        raise ConfigError(f"config key 'optim.warmup_start_lr' is a rate >= 0, or -1 (as optim.warmup_start says), "
+                          f"got {optim.warmup_start_lr}")
+    if optim.warmup_start_lr >= 0 and optim.warmup_start != -1:
+        raise ConfigError(f"optim.warmup_start={optim.warmup_start:g} and optim.warmup_start_lr="
+                          f"{optim.warmup_start_lr:g} both say where the warm-up starts: set one of the two")
+    names = [part.strip() for part in optim.no_decay_names.split(",")]
+    if optim.no_decay == "names" and not all(names):
+        raise ConfigError(f"config key 'optim.no_decay_names': expected name substrings separated by commas, "
+                          f"e.g. bn, got '{optim.no_decay_names}'")
+    if not 0 <= optim.bce_target_threshold < 1:
+        raise ConfigError(f"config key 'optim.bce_target_threshold' must be in [0, 1) (0 = soft targets), "
+                          f"got {optim.bce_target_threshold}")
+    if optim.bce_target_threshold and optim.loss != "bce":
+        raise ConfigError("optim.bce_target_threshold needs optim.loss=bce")
+    if optim.lars_momentum_correction and optim.name != "lars":
+        raise ConfigError(f"optim.lars_momentum_correction=true needs optim.name=lars, got {optim.name}")
+    if optim.lamb_max_grad_norm < 0 or (optim.lamb_max_grad_norm and optim.name != "lamb"):
+        raise ConfigError(f"config key 'optim.lamb_max_grad_norm' is >= 0 and needs optim.name=lamb "
+                          f"(got {optim.lamb_max_grad_norm:g} with optim.name={optim.name})")
+    if cfg.model.head_init_std < 0:
+        raise ConfigError(f"config key 'model.head_init_std' must be >= 0, got {cfg.model.head_init_std}")
+    if augment.policy == "timm_randaugment" and not 0 <= augment.magnitude <= 10:
+        raise ConfigError(f"config key 'augment.magnitude' is on timm's 0-10 scale with augment.policy="
+                          f"timm_randaugment, got {augment.magnitude}")
+    if augment.magnitude_std < 0:
+        raise ConfigError(f"config key 'augment.magnitude_std' must be >= 0, got {augment.magnitude_std}")
+    if (augment.magnitude_std or augment.increasing_ops) and augment.policy != "timm_randaugment":
+        raise ConfigError(f"augment.magnitude_std and augment.increasing_ops are timm's RandAugment options: "
+                          f"they need augment.policy=timm_randaugment, got {augment.policy}")
+    if not 0 <= data.val_crop_fraction <= 1:
+        raise ConfigError(f"config key 'data.val_crop_fraction' must be in (0, 1] (0 = off), "
+                          f"got {data.val_crop_fraction}")
+    if data.val_crop_fraction and data.val_resize:
+        raise ConfigError(f"data.val_crop_fraction={data.val_crop_fraction:g} and data.val_resize="
+                          f"{data.val_resize} both set the validation resize: set one of the two")
+    if data.val_interpolation != "bilinear" and data.decoder == "nvimgcodec":
+        raise ConfigError(f"data.val_interpolation={data.val_interpolation} needs the CPU decoder: "
+                          "set data.decoder=cpu (or auto)")
+    if evaluation.every_epochs < 1 or not 0 <= evaluation.offset_epochs < evaluation.every_epochs:
+        raise ConfigError(f"config keys 'eval.every_epochs' ({evaluation.every_epochs}) must be >= 1 and "
+                          f"eval.offset_epochs ({evaluation.offset_epochs}) in [0, eval.every_epochs)")
+
+
+def validates_after(cfg: Config, epoch: int) -> bool:
+    """Whether the run validates after ``epoch`` (0-based): eval.every_epochs and eval.offset_epochs,
+    and always after the last epoch."""
+    every, offset = cfg.eval.every_epochs, cfg.eval.offset_epochs
+    return epoch + 1 >= cfg.train.epochs or (epoch >= offset and (epoch - offset) % every == 0)
 
 
 def target_value(cfg: Config) -> float:

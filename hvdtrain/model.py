@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torchvision import models
 
 from .config import ConfigError, ModelConfig
@@ -34,15 +36,90 @@ def build_timm_model(arch: str, num_classes: int) -> torch.nn.Module:
 
 
 def build_model(model: ModelConfig, num_classes: int) -> torch.nn.Module:
-    """A freshly initialized classification model (no weights are downloaded; see finetune.py)."""
+    """A freshly initialized classification model (no weights are downloaded; see finetune.py), with
+    the initialization and BlurPool the ``model`` section asks for (``apply_recipe``)."""
     if model.arch.startswith(TIMM_PREFIX):
-        return build_timm_model(model.arch, num_classes)
+        return apply_recipe(build_timm_model(model.arch, num_classes), model)
     available = models.list_models(module=models)
     if model.arch not in available:
         close = [name for name in available if name.startswith(model.arch[:4])][:8] or available[:8]
         raise ConfigError(f"config key 'model.arch': unknown torchvision model '{model.arch}' "
                           f"(for example: {', '.join(close)})")
-    return models.get_model(model.arch, weights=None, num_classes=num_classes)
+    return apply_recipe(models.get_model(model.arch, weights=None, num_classes=num_classes), model)
+
+
+# --- initialization and BlurPool of published recipes (docs/recipes.md) ------------------------
+
+def apply_recipe(module: nn.Module, model: ModelConfig) -> nn.Module:
+    """``model.conv_init``, ``model.zero_init_residual``, ``model.head_init_std`` and ``model.blurpool``,
+    in that order, on a freshly built model (the draws come from torch's generator, seeded by setup)."""
+    if model.conv_init != "default":
+        for layer in module.modules():
+            if isinstance(layer, nn.Conv2d):
+                nn.init.kaiming_normal_(layer.weight, mode=model.conv_init, nonlinearity="relu")
+    if model.zero_init_residual:
+        zero_last_norms(module, model.arch)
+    if model.head_init_std > 0:
+        from .finetune import classifier_name
+
+        head = module.get_submodule(classifier_name(module))
+        nn.init.normal_(head.weight, 0.0, model.head_init_std)
+        if head.bias is not None:
+            nn.init.zeros_(head.bias)
+    if model.blurpool:
+        if not add_blurpool(module):
+            raise ConfigError(f"model.blurpool=true: {model.arch} has no convolution with stride > 1 and at least "
+                              "16 input channels")
+    return module
+
+
+# The last normalization of each residual block: torchvision's and timm's ResNet blocks.
+LAST_NORM = {"Bottleneck": "bn3", "BasicBlock": "bn2"}
+
+
+def zero_last_norms(module: nn.Module, arch: str) -> int:
+    """gamma = 0 in the last BatchNorm of every residual block (torchvision's ``zero_init_residual``,
+    timm's ``zero_init_last``): each block starts as the identity. Returns the number of blocks."""
+    count = 0
+    for block in module.modules():
+        norm = getattr(block, LAST_NORM.get(type(block).__name__, ""), None)
+        if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.weight is not None:
+            nn.init.zeros_(norm.weight)
+            count += 1
+    if not count:
+        raise ConfigError(f"model.zero_init_residual=true needs ResNet blocks (Bottleneck, BasicBlock); "
+                          f"{arch} has none")
+    return count
+
+
+class BlurPoolConv2d(nn.Module):
+    """FFCV's ``BlurPoolConv2d`` (libffcv/ffcv-imagenet, train_imagenet.py): a fixed depthwise
+    [1 2 1] x [1 2 1] / 16 blur at stride 1 before the wrapped strided convolution (Zhang 2019,
+    "Making convolutional networks shift-invariant again"). The filter is a non-persistent buffer:
+    state dicts hold the convolution only (under ``<name>.conv``)."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.conv = conv
+        kernel = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16.0
+        self.register_buffer("blur_filter", kernel.expand(conv.in_channels, 1, 3, 3).clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blurred = F.conv2d(x, self.blur_filter.to(x.dtype), stride=1, padding=1, groups=self.conv.in_channels)
+        return self.conv(blurred)
+
+
+def add_blurpool(module: nn.Module) -> int:
+    """Wrap every ``nn.Conv2d`` with stride > 1 and at least 16 input channels in ``BlurPoolConv2d``
+    (FFCV's ``apply_blurpool`` rule); returns how many were wrapped."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, nn.Conv2d) and max(child.stride) > 1 and child.in_channels >= 16:
+            setattr(module, name, BlurPoolConv2d(child))
+            count += 1
+        else:
+            count += add_blurpool(child)
+    return count
 
 
 def unwrap_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,13 +13,19 @@ biases and normalization parameters.
       v     = momentum * v + lr * trust * (g + wd * w)
       w     = w - v                                    (Nesterov: w - (momentum * v + lr * trust * (g + wd * w)))
 
-  Excluded parameters take ``v = momentum * v + lr * g`` (no trust ratio, no weight decay). The
-  rate sits inside the momentum buffer, as in the reference (not torch's SGD form).
+  Excluded parameters take ``v = momentum * v + lr * (g + wd * w)`` (no trust ratio; their group's
+  weight decay, 0 unless ``optim.no_decay`` decays them, as NVIDIA's MLPerf LARS decays the fc
+  bias). The rate sits inside the momentum buffer, as in the reference (not torch's SGD form), so
+  a changing rate changes the effective momentum: ``momentum_correction`` multiplies the momentum
+  by ``lr_t / lr_(t-1)`` (Goyal et al. 2017, section 3; NVIDIA's MLPerf ``SGDwFASTLARS``).
 * LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning"), as in timm::
 
       m = b1 * m + (1 - b1) * g;   v = b2 * v + (1 - b2) * g^2
       u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
       w = w - lr * (||w|| / ||u||) * u                 (trust 1 where a norm is 0, or the group is excluded)
+
+  With ``max_grad_norm`` > 0 every gradient is first divided by ``max(1, ||g_all|| / max_grad_norm)``,
+  the global norm over all parameters (timm's ``Lamb``, NVIDIA's FusedLAMB: default 1.0).
 """
 
 from __future__ import annotations
@@ -40,11 +46,14 @@ class LARS(torch.optim.Optimizer):
     """Layer-wise Adaptive Rate Scaling, MLPerf ResNet-50's form (see the module docstring)."""
 
     def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 eta: float = 0.001, nesterov: bool = False, adapt: bool = True):
+                 eta: float = 0.001, nesterov: bool = False, adapt: bool = True, momentum_correction: bool = False):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"LARS momentum must be in [0, 1), got {momentum}")
+        # last_lr: the rate of the group's previous step (0 before the first), for the correction;
+        # a group option, so it travels in the optimizer's state dict (checkpoints, resume).
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta,
-                                      nesterov=nesterov, adapt=adapt))
+                                      nesterov=nesterov, adapt=adapt, momentum_correction=momentum_correction,
+                                      last_lr=0.0))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -54,17 +63,20 @@ class LARS(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+            if group.get("momentum_correction") and group.get("last_lr", 0.0) > 0:
+                momentum = momentum * lr / group["last_lr"]
+            group["last_lr"] = lr
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 grad = param.grad
+                grad_with_decay = grad.add(param, alpha=decay) if decay else grad
                 if group["adapt"]:
                     weight_norm, grad_norm = param.norm(), grad.norm()
                     trust = trust_ratio(group["eta"] * weight_norm, grad_norm + decay * weight_norm, weight_norm)
-                    grad = grad.add(param, alpha=decay) if decay else grad
-                    update = grad * (lr * trust)
+                    update = grad_with_decay * (lr * trust)
                 else:
-                    update = grad * lr
+                    update = grad_with_decay * lr
                 state = self.state[param]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param)
@@ -81,8 +93,20 @@ class LAMB(torch.optim.Optimizer):
     """Layer-wise Adaptive Moments for Batch training, timm's form (see the module docstring)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, adapt: bool = True):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt))
+                 weight_decay: float = 0.0, adapt: bool = True, max_grad_norm: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt,
+                                      max_grad_norm=max_grad_norm))
+
+    def global_clip(self) -> torch.Tensor | None:
+        """timm's global gradient clipping: the divisor max(1, ||g|| / max_grad_norm), as a tensor (no
+        host sync), or None when off. Read from the groups: Horovod re-creates the optimizer from them."""
+        max_norm = max((group.get("max_grad_norm", 0.0) for group in self.param_groups), default=0.0)
+        grads = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not max_norm or not grads:
+            return None
+        norm = torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]))
+        return torch.clamp(norm / max_norm, min=1.0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -90,12 +114,13 @@ class LAMB(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        clip = self.global_clip()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad
+                grad = param.grad if clip is None else param.grad / clip.to(param.grad.dtype)
                 state = self.state[param]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float64)

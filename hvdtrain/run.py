@@ -22,7 +22,7 @@ from . import checkpoint, dist, tracking
 from .audit import audit
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
-from .config import Config, ConfigError, dump_yaml, step_range, target_value, to_dict
+from .config import Config, ConfigError, dump_yaml, step_range, target_value, to_dict, validates_after
 from .data.loaders import Loaders, shutdown_workers
 from .dist import log
 from .ema import ModelEma
@@ -121,8 +121,46 @@ def setup(cfg: Config) -> Run:
         f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
         f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
         + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
+    if task.name == "image_classification":
+        log(f"hvdtrain: recipe: {recipe_line(cfg, model, schedule)}")
     add_recipe_state(run)
     return run
+
+
+def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> str:
+    """The resolved recipe in the terms a source's log uses (docs/recipes.md): the warm-up's first
+    and last rates and how the rate steps, the weight-decay exemption, the loss, the augmentation
+    strength, the validation crop and cadence, so that a run can be compared with its source before
+    the first epoch ends."""
+    from .data.policies import strength
+    from .data.transforms import val_image_size, val_resize_size
+    from .optim import describe_exemption, lr_at
+
+    optim, every = cfg.optim, cfg.eval.every_epochs
+    first, steps = lr_at(0, schedule), schedule.steps_per_epoch
+    last_warm = lr_at(max(math.ceil(optim.warmup_epochs * steps) - 1, 0), schedule)
+    stepping = {"step": "every step", "epoch": "once per epoch",
+                "epoch_warmup_end": "once per epoch, warm-up epochs at their end value"}[optim.lr_step]
+    milestones = ", ".join(f"{cfg.train.epochs * m / 90:g}" for m in (30, 60, 80))
+    decay = optim.schedule + (f" to {optim.end_lr:g}" if optim.schedule != "step" else f" x0.1 at epochs {milestones}")
+    decay += "" if optim.warmup_prefix or optim.schedule == "step" else " over the whole run (warm-up inside it)"
+    size = val_image_size(cfg.data)
+    model_cfg = cfg.model
+    init = [text for on, text in ((model_cfg.conv_init != "default", f"convolutions Kaiming {model_cfg.conv_init}"),
+                                  (model_cfg.head_init_std > 0, f"classifier N(0, {model_cfg.head_init_std:g})"),
+                                  (model_cfg.zero_init_residual, "last BatchNorm of each block at 0"),
+                                  (model_cfg.blurpool, "BlurPool")) if on]
+    return (f"warm-up {first:.4g} (step 0) -> {last_warm:.4g} (last warm-up step) -> peak {schedule.peak_lr:.4g}, "
+            f"rate changes {stepping}, then {decay}; {describe_exemption(model, optim)}; "
+            f"{'init: ' + ', '.join(init) + '; ' if init else ''}loss {optim.loss}"
+            f"{f' (targets > {optim.bce_target_threshold:g} set to 1)' if optim.bce_target_threshold else ''}, "
+            f"label smoothing {optim.label_smoothing:g}; augmentation: {strength(cfg.augment)}"
+            f"{f', mixup {cfg.augment.mixup_alpha:g}' if cfg.augment.mixup_alpha else ''}"
+            f"{f', cutmix {cfg.augment.cutmix_alpha:g}' if cfg.augment.cutmix_alpha else ''}, crop area "
+            f"{cfg.augment.scale}; validation {size} px center crop of {val_resize_size(cfg.data)} px "
+            f"({cfg.data.val_interpolation}){', flip averaged' if cfg.eval.flip else ''}, "
+            + ("every epoch" if every == 1 else f"after epochs {cfg.eval.offset_epochs + 1}, "
+               f"{cfg.eval.offset_epochs + 1 + every}, ... and the last"))
 
 
 def add_recipe_state(run: Run) -> None:
@@ -375,6 +413,20 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     add_rank_report(run, train_metrics)
     dist.average_buffers(state.model)
     audit_ranks(run, f"the end of epoch {epoch + 1} (global step {state.position.step})", floating_buffers=True)
+    if not validates_after(run.cfg, epoch):  # eval.every_epochs: checkpoint and log the training part only
+        state.position.start_epoch(epoch + 1)
+        path = save_checkpoint(run, outputs.saver, audited=True)
+        if outputs.writer is not None:
+            record = {"split": "train", "epoch": epoch, "step": state.position.step,
+                      **{k: v for k, v in train_metrics.items() if k not in ("stopped", "steps")}}
+            outputs.writer.write(record)
+            if outputs.tracker is not None:
+                outputs.tracker.epoch(record)
+                outputs.tracker.checkpoint(path, False)
+            log(f"epoch {epoch + 1}/{run.cfg.train.epochs}  train loss {train_metrics['loss']:.4f} (not validated: "
+                f"eval.every_epochs={run.cfg.eval.every_epochs}) | lr {train_metrics['lr']:.4g}, "
+                f"{train_metrics['seconds']:.1f}s")
+        return {"train": train_metrics, "val": {}, "epoch": epoch, "step": state.position.step}
     if watch:
         run.watchdog.beat()
     val_metrics = evaluate(state, run.settings, run.loaders.val, dist.allreduce_sum,

@@ -276,11 +276,18 @@ class FlipOnly:
         return image.flip(-1).contiguous() if bool(torch.rand(1) < self.hflip) else image
 
 
-class CenterCrop:
-    """Resize(resize) + CenterCrop(size) from encoded bytes to a uint8 tensor."""
+# Validation resize filters (data.val_interpolation): Pillow's, antialiased as torchvision's Resize on
+# PIL images.
+FILTERS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 
-    def __init__(self, size: int, resize: int, max_pixels: int = DEFAULT_MAX_PIXELS):
+
+class CenterCrop:
+    """Resize(resize) + CenterCrop(size) from encoded bytes to a uint8 tensor, with Pillow's
+    ``interpolation`` filter (bilinear or bicubic)."""
+
+    def __init__(self, size: int, resize: int, max_pixels: int = DEFAULT_MAX_PIXELS, interpolation: str = "bilinear"):
         self.size, self.resize, self.max_pixels = size, resize, max_pixels
+        self.interpolation = interpolation
 
     def __call__(self, data: bytes) -> torch.Tensor:
         width, height, turbo = image_size(data, self.max_pixels)
@@ -292,7 +299,7 @@ class CenterCrop:
         # kernel would need a crop rounded to whole pixels: a half-pixel shift).
         image = Image.frombuffer("RGB", (array.shape[1], array.shape[0]), array, "raw", "RGB", 0, 1)
         left, top, w, h = box
-        out = image.resize((self.size, self.size), Image.Resampling.BILINEAR,
+        out = image.resize((self.size, self.size), FILTERS[self.interpolation],
                            box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
         return torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1)
 
@@ -300,7 +307,8 @@ class CenterCrop:
         from torchvision import transforms
 
         array, _, _ = decode_with_pillow(data, (0, 0, 1, 1), self.size, self.max_pixels)
-        image = transforms.CenterCrop(self.size)(transforms.Resize(self.resize)(Image.fromarray(array)))
+        mode = transforms.InterpolationMode(self.interpolation)
+        image = transforms.CenterCrop(self.size)(transforms.Resize(self.resize, mode)(Image.fromarray(array)))
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 

@@ -7,6 +7,8 @@ batches on the training device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import AugmentConfig, DataConfig, float_pair
@@ -19,7 +21,12 @@ def val_image_size(data: DataConfig) -> int:
 
 
 def val_resize_size(data: DataConfig, size: int = 0) -> int:
-    return data.val_resize or int(round((size or val_image_size(data)) / 0.875))
+    """The resize before the center crop of ``size`` (default: the validation crop): data.val_resize,
+    else floor(size / data.val_crop_fraction) as timm's transforms_factory, else round(size / 0.875)."""
+    size = size or val_image_size(data)
+    if data.val_crop_fraction:
+        return int(math.floor(size / data.val_crop_fraction))
+    return data.val_resize or int(round(size / 0.875))
 
 
 def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None) -> Transform:
@@ -46,8 +53,9 @@ def fast_train_transform(data: DataConfig, augment: AugmentConfig | None = None)
 
 
 def fast_eval_transform(data: DataConfig) -> Transform:
-    """Encoded bytes -> uint8 center crop (``data.val_image_size``) after a resize to ``val_resize_size``."""
-    return CenterCrop(val_image_size(data), val_resize_size(data), data.max_image_pixels)
+    """Encoded bytes -> uint8 center crop (``data.val_image_size``) after a resize to ``val_resize_size``
+    with the ``data.val_interpolation`` filter."""
+    return CenterCrop(val_image_size(data), val_resize_size(data), data.max_image_pixels, data.val_interpolation)
 
 
 class DeviceNormalizer:

@@ -2,8 +2,9 @@
 
 Data: an ImageFolder tree (``data.dir`` with ``train/`` and ``val/``), the built-in demo dataset
 when ``data.dir`` is empty, or synthetic batches. Model: any torchvision classification model.
-Loss: cross-entropy (label smoothing in training). Metrics: loss, top-1 and top-5 accuracy, from
-exact sums of correct predictions over every validation image once.
+Loss: cross-entropy (label smoothing in training), or binary cross-entropy (``optim.loss=bce``).
+Metrics: loss, top-1 and top-5 accuracy, from exact sums of correct predictions over every
+validation image once.
 
 Recipes (docs/recipes.md): per-image policies and random erasing in the loader workers
 (data/policies.py), progressive resizing through the sampler, mixup/cutmix on the device
@@ -48,6 +49,22 @@ def hit_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tenso
     k = min(5, logits.shape[1])
     hits = logits.topk(k, dim=1).indices.eq(targets.view(-1, 1))
     return hits[:, :1].sum(), hits.sum()
+
+
+def bce_loss(logits: torch.Tensor, targets: torch.Tensor, smoothing: float = 0.0,
+             threshold: float = 0.0) -> torch.Tensor:
+    """timm's ``BinaryCrossEntropy`` as ResNet strikes back trains with it: one-hot (or mixed soft)
+    targets smoothed to ``t * (1 - smoothing) + smoothing / classes`` (timm's ``mixup_target``), set
+    to 0 or 1 by ``threshold`` when it is above 0, then binary cross-entropy with logits averaged
+    over images and classes. Half-precision logits are scored in float32."""
+    classes = logits.shape[1]
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if not targets.is_floating_point():
+        targets = F.one_hot(targets, classes)
+    targets = targets.to(logits.dtype) * (1 - smoothing) + smoothing / classes
+    if threshold > 0:
+        targets = targets.gt(threshold).to(logits.dtype)
+    return F.binary_cross_entropy_with_logits(logits, targets)
 
 
 def summarize(sums: torch.Tensor) -> dict[str, float]:
@@ -159,7 +176,9 @@ class ImageClassification(Task):
         """``data.decoder``: None for the CPU pipeline, else the planning transforms of the device
         decoder, which is made here (a missing library stops before any loader starts)."""
         data = self.cfg.data
-        if choose(data.decoder, env.device) == "cpu":
+        # The validation resize filter of the device decoder is bilinear: data.val_interpolation=bicubic
+        # keeps the CPU path under data.decoder=auto (validate() refuses it with nvimgcodec).
+        if choose(data.decoder, env.device) == "cpu" or data.val_interpolation != "bilinear":
             return None
         transforms = plan_transforms(data, self.cfg.augment)
         threads = max(1, torch.get_num_threads()) if env.device.type == "cpu" else 2
@@ -228,6 +247,8 @@ class ImageClassification(Task):
         if targets.is_floating_point():
             # Soft targets (mixup/cutmix): cross_entropy smooths each one-hot part, as timm's mixup_target.
             targets = targets.to(torch.promote_types(outputs.dtype, torch.float32))
+        if training and self.cfg.optim.loss == "bce":
+            return bce_loss(outputs, targets, self.cfg.optim.label_smoothing, self.cfg.optim.bce_target_threshold)
         if training:
             return F.cross_entropy(outputs, targets, label_smoothing=self.cfg.optim.label_smoothing)
         # Half-precision logits (autocast) are scored in float32; float32 and float64 as they are.

@@ -155,7 +155,7 @@ def test_a_key_with_nothing_near_lists_the_valid_keys_only(capsys):
     # (data.path would suggest data.split and data.location data.val_fraction: near keys get a suggestion)
     assert cli.main(["data.zzz=/x"]) == 2
     message = one_error_line(capsys)
-    assert message.startswith("unknown config key 'data.zzz' (valid keys in 'data': augment, dir, ")
+    assert message.startswith("unknown config key 'data.zzz' (valid keys in 'data': augment, decoder, dir, ")
     assert "did you mean" not in message
 
 
