@@ -143,17 +143,17 @@ def upgrade(payload: dict[str, Any]) -> dict[str, Any]:
 
 def load_for_resume(resume: str, directory: Path,
                     warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
-    """What ``checkpoint.resume`` asks for: ``never``, a file, or ``auto``.
+    """What ``checkpoint.resume`` asks for: ``never``, a file, or ``auto`` (or ``force``).
 
     ``auto`` takes ``last.pt`` and, if it is unreadable, the newest numbered checkpoint that
     loads, saying which file was skipped and why. An explicit file must load.
     """
     if resume == "never":
         return None
-    if resume != "auto":
+    if resume not in ("auto", "force"):  # force: as auto, through a changed config (run_identity.py)
         path = Path(resume)
         if not path.is_file():
-            raise CheckpointError(f"checkpoint.resume: '{resume}' is neither auto, never, nor an existing file")
+            raise CheckpointError(f"checkpoint.resume: '{resume}' is neither auto, force, never, nor an existing file")
         return path, load(path)
     candidates = [directory / "last.pt"] + numbered(directory)
     candidates = [p for p in candidates if p.is_file()]

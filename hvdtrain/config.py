@@ -319,7 +319,7 @@ class OutputConfig:
 @dataclass
 class CheckpointConfig:
     resume: str = "auto"
-    """auto = continue from the newest readable checkpoint in <output.dir>/checkpoints; never; or a file."""
+    """auto = continue from the newest readable checkpoint in <output.dir>/checkpoints, if it was trained with the same model, data, optimizer, schedule, seed and batch (else one line names the differences); force = continue it through such differences, recorded in metrics.jsonl; never; or a file."""
     every_steps: int = 0
     """Also checkpoint every this many optimizer steps, mid-epoch; 0 = at the end of each epoch only."""
     keep: int = 3
@@ -830,6 +830,17 @@ def step_range(text: str) -> tuple[int, int] | None:
         raise ConfigError(f"config key 'runtime.timeline_steps': expected START-END with START < END, "
                           f"e.g. 100-120, got '{text}'")
     return int(start), int(end)
+
+
+def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}``."""
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

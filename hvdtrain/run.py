@@ -33,6 +33,7 @@ from .observe import TimelineWindow, add_rank_report
 from .optim import LRSchedule
 from .placement import place_rank
 from .preemption import StopRequest
+from .run_identity import differences, listed, model_fit, refusal
 from .state import RunState
 from .sysstats import StatsSampler
 from .tasks import Task, build_task, metric_direction
@@ -59,6 +60,7 @@ class Run:
     stats: StatsSampler | None = None
     ema: ModelEma | None = None
     clock: "TrainClock | None" = None
+    resume_changes: dict[str, Any] | None = None  # settings changed since the checkpoint resumed from
 
 
 def setup(cfg: Config) -> Run:
@@ -217,17 +219,23 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
     unchanged. With another number of ranks the position in the epoch is carried over as a count
     of samples, so the global sample order, the epoch and the learning rate continue where they were.
     """
-    found = None
+    found, refused = None, None
     if dist.is_primary():
         found = ((path, checkpoint.load(path)) if path is not None
                  else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
         if found is not None:
-            run.state.load_state_dict(found[1])
+            # A training resume (no ``path``: evaluate passes one) must continue the same run.
+            refused = same_run(run, found) if path is None else None
+            refused = refused or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
+            if refused is None:
+                run.state.load_state_dict(found[1])
         elif run.cfg.model.weights:  # a fresh run starts from model.weights; the broadcast below shares them
             log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
     resumed = dist.broadcast_object(
-        None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", [])},
+        None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", []), "refused": refused},
         name="hvdtrain.resumed")
+    if resumed is not None and resumed["refused"]:
+        raise ConfigError(resumed["refused"])  # every rank, before anything is loaded or written
     dist.broadcast_state(run.state)
     if resumed is None:
         return
@@ -245,6 +253,21 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
             + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
 
 
+def same_run(run: Run, found: tuple[Path, dict[str, Any]]) -> str | None:
+    """The checkpoint's config against this run's (run_identity.py): the line that refuses it, or
+    None; what may change, or is forced through, is logged and kept for metrics.jsonl."""
+    meaning, allowed = differences(found[1].get("config") or {}, run.cfg)
+    forced = run.cfg.checkpoint.resume == "force"
+    if meaning and not forced:
+        return refusal(str(found[0]), meaning)
+    changed = {**meaning, **allowed}
+    if changed:
+        run.resume_changes = {"forced": sorted(meaning), "changed": {k: list(v) for k, v in changed.items()}}
+        log(f"hvdtrain: resuming {found[0]} with changed settings: {listed(changed)}"
+            + (" (checkpoint.resume=force; recorded in metrics.jsonl)" if meaning else ""))
+    return None
+
+
 def resume_locally(run: Run) -> None:
     """Rank 0 of an elastic job loads the checkpoint into itself; the elastic state synchronization
     then brings every rank up to date."""
@@ -254,6 +277,9 @@ def resume_locally(run: Run) -> None:
     if found is None and run.cfg.model.weights:
         log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
     if found is not None:
+        refused = same_run(run, found) or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
+        if refused:
+            raise ConfigError(refused)
         run.state.load_state_dict(found[1])
         run.start_epoch = run.state.position.epoch
         log(f"hvdtrain: resumed from {found[0]} at epoch {run.start_epoch + 1} "
@@ -322,6 +348,9 @@ class Outputs:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg))
             self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard)
+            if run.resume_changes:  # what changed at this resume (checkpoint.resume=force, or allowed keys)
+                self.writer.write({"split": "resume", "epoch": run.state.position.epoch,
+                                   "step": run.state.position.step, **run.resume_changes})
             self.saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=run.cfg.checkpoint.keep)
             if "tracking" in run.state.extra:
                 self.tracker = tracking.Tracker(run.cfg, run.run_dir, run.state.extra["tracking"],

@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import Config, ConfigError, to_dict
+from .config import Config, ConfigError, flatten, to_dict
 from .redact import has_password, mask_values
 from .tracking_sender import STEP_KEY, Sender, first_line
 
@@ -62,17 +62,6 @@ def require_packages(cfg: Config) -> None:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"tracking.{name}.enabled=true needs the {name} package: pip install -e .[{name}] "
                               f"(or make setup EXTRAS={name})")
-
-
-def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}``."""
-    flat: dict[str, Any] = {}
-    for key, value in mapping.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def epoch_values(record: dict[str, Any]) -> dict[str, float]:

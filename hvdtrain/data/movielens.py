@@ -133,8 +133,10 @@ def parse_ratings(path: Path, fmt: str, on_bad_line: str = "fail",
                     try:
                         value = float(rating)
                     except ValueError:
-                        value = float("nan")
-                    if not MIN_RATING <= value <= MAX_RATING:  # NaN fails too
+                        value = None
+                    if value is None or value != value:  # not a number at all (or "nan")
+                        problem = f"rating '{rating[:20]}' is not a number"
+                    elif not MIN_RATING <= value <= MAX_RATING:
                         problem = f"rating '{rating[:20]}' is outside the scale {MIN_RATING:g}-{MAX_RATING:g}"
                     elif not stamp.lstrip("-").isdigit():
                         problem = f"timestamp '{stamp[:20]}' is not an integer"

@@ -63,7 +63,7 @@ def test_each_format_is_detected_and_parsed_with_dense_ids(fmt, tmp_path):
     ("ratings.csv", "userId,movieId,rating,timestamp\n1,tt0111161,3,4\n",
      "ratings.csv, line 2: item id 'tt0111161' is not an integer"),
     ("u.data", "1\t2\t3\n", "u.data, line 1: expected 4 fields separated by '\\t', got 3"),
-    ("ratings.csv", "userId,movieId,rating,timestamp\n1,2,three,4\n", "rating 'three' is outside the scale"),
+    ("ratings.csv", "userId,movieId,rating,timestamp\n1,2,three,4\n", "rating 'three' is not a number"),
 ])
 def test_bad_input_stops_with_one_line_naming_file_and_problem(fmt, content, message, tmp_path):
     (tmp_path / fmt).write_text(content)
