@@ -63,8 +63,10 @@ def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loader
     elastic = cfg.elastic.enabled
     env = DataEnv(rank=dist.rank(), world_size=dist.size(), pin_memory=device.type == "cuda",
                   broadcast_object=None if elastic else dist.broadcast_object,
+                  allgather=None if elastic else dist.allgather,
                   local_rank_zero_first=contextlib.nullcontext if elastic else dist.local_rank_zero_first,
-                  keep_partial_batches=elastic, device=device)
+                  keep_partial_batches=elastic, device=device,
+                  ranks_on_host=dist.local_size() if dist.initialized() else 1)
     loaders = task.build_loaders(env)
     passes = cfg.train.backward_passes_per_step
     steps_per_epoch = len(loaders.train) // passes

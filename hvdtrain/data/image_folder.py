@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -33,9 +33,12 @@ class BadFileError(DataError):
 
 
 class ImageFiles(Dataset):
-    """(uint8 CHW image or None, label, [bad file descriptions]) per index."""
+    """(uint8 CHW image or None, label, [bad file descriptions]) per index.
 
-    def __init__(self, split_dir: Path, paths: list[str], labels: list[int], transform: Transform,
+    ``paths`` and ``labels``: the file index's compact arrays (data/file_list.py), which a loader
+    worker maps instead of unpickling a copy, or plain lists."""
+
+    def __init__(self, split_dir: Path, paths: Sequence[str], labels: Sequence[int], transform: Transform,
                  replace_bad: bool):
         self.split_dir = str(split_dir)
         self.paths = paths
@@ -52,6 +55,8 @@ class ImageFiles(Dataset):
             data = read_file(path)
         except OSError as error:
             raise BadImage(f"{type(error).__name__}: {error.strerror or error}") from None
+        except ValueError as error:  # a NUL in a name from a hand-made list
+            raise BadImage(str(error)) from None
         if not data:
             raise BadImage("empty file")
         return self.transform(data)
@@ -65,13 +70,13 @@ class ImageFiles(Dataset):
                 image = self.load(current)
                 if not isinstance(image, torch.Tensor):  # planned for the device decoder: it names the file
                     image.name = f"{self.split_dir}/{self.paths[current]}"
-                return image, self.labels[current], bad
+                return image, int(self.labels[current]), bad
             except BadImage as error:
                 bad.append(f"{self.split_dir}/{self.paths[current]} ({error})")
         if self.replace_bad:
             raise BadFileError(f"{MAX_REPLACEMENTS} undecodable files in a row from {self.split_dir}/"
                                f"{self.paths[index]} on: is the dataset intact?")
-        return None, self.labels[index], bad
+        return None, int(self.labels[index]), bad
 
 
 def collate(batch: list[tuple[torch.Tensor | None, int, list[str]]]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:

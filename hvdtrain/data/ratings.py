@@ -82,7 +82,7 @@ class SampledBatches:
         return count // self.batch_size if self.drop_last else math.ceil(count / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple]:
-        indices = np.asarray(self.sampler.indices(), dtype=np.int64)
+        indices = self.sampler.index_array()
         end = len(indices) - len(indices) % self.batch_size if self.drop_last else len(indices)
         for start in range(0, end, self.batch_size):
             yield self.make_batch(indices[start:start + self.batch_size], self.sampler.epoch)

@@ -6,16 +6,30 @@ import math
 import random
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from .decode import RESOLUTION
 
+SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+CHUNK = 4096  # samples turned into Python tuples at a time by the iterator
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The random seed of one sample's augmentation in one epoch (a 63-bit mix of the three)."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    mixed = (seed * SEED_MIX[0] + epoch * SEED_MIX[1] + index * SEED_MIX[2]) & (2**64 - 1)
     mixed ^= mixed >> 31
     return mixed & (2**63 - 1)
+
+
+def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """``sample_seed`` of every index at once (int64): numpy's uint64 arithmetic wraps modulo 2**64,
+    as the scalar version's ``& (2**64 - 1)`` does."""
+    base = np.uint64((seed * SEED_MIX[0] + epoch * SEED_MIX[1]) & (2**64 - 1))
+    mixed = np.asarray(indices).astype(np.uint64) * np.uint64(SEED_MIX[2]) + base
+    mixed ^= mixed >> np.uint64(31)
+    return (mixed & np.uint64(2**63 - 1)).astype(np.int64)
 
 
 class ShardedSampler(Sampler[tuple[int, int]]):
@@ -55,28 +69,49 @@ class ShardedSampler(Sampler[tuple[int, int]]):
         self.epoch = epoch
         self.start = start
 
-    def global_order(self) -> list[int]:
+    def global_order(self) -> np.ndarray:
         """The epoch's permutation of all indices (the same for every number of ranks)."""
         if not self.shuffle:
-            return list(range(self.num_samples_total))
+            return np.arange(self.num_samples_total, dtype=np.int64)
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples_total, generator=generator).tolist()
+        # int32 where it fits: half the memory, and the same permutation (randperm draws the same
+        # random numbers whatever the dtype; tests/unit/test_sampler_scale.py checks it).
+        dtype = torch.int32 if self.num_samples_total < 2**31 else torch.int64
+        return torch.randperm(self.num_samples_total, generator=generator, dtype=dtype).numpy()
+
+    def index_array(self) -> np.ndarray:
+        """This rank's dataset indices for the rest of the epoch, from global position ``start``:
+        positions ``start + rank``, ``start + rank + n``, ... of the epoch's order, then (with
+        ``pad``) the order again from its beginning until every rank has as many (int64)."""
+        order = self.global_order()
+        total, replicas = len(order), self.num_replicas
+        rest = max(0, total - self.start)
+        taken = order[self.start + self.rank::replicas] if rest else order[:0]
+        if not (self.pad and total):
+            return taken.astype(np.int64)
+        padded = np.arange(self.rank + len(taken) * replicas, rest + (-rest % replicas), replicas)
+        return np.concatenate([taken, order[(padded - rest) % total]]).astype(np.int64)
 
     def indices(self) -> list[int]:
-        """This rank's dataset indices for the rest of the epoch, from global position ``start``."""
-        order = self.global_order()
-        rest = order[self.start:]
-        if self.pad and order:
-            short = -len(rest) % self.num_replicas
-            rest = rest + (order * (short // len(order) + 1))[:short]
-        return rest[self.rank::self.num_replicas]
+        """``index_array()`` as a list (e.g. for JSON); the sampler itself never builds one."""
+        return self.index_array().tolist()
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
-        if self.resolution is not None:
-            size = self.resolution(self.epoch)
-            return iter([(index, sample_seed(self.seed, self.epoch, index), size) for index in self.indices()])
-        return iter([(index, sample_seed(self.seed, self.epoch, index)) for index in self.indices()])
+        # The epoch's order is drawn now (as set_epoch left it); the tuples are made a chunk at a time.
+        indices = self.index_array()
+        seeds = sample_seeds(self.seed, self.epoch, indices)
+        size = self.resolution(self.epoch) if self.resolution is not None else None
+        return self.pairs(indices, seeds, size)
+
+    @staticmethod
+    def pairs(indices: np.ndarray, seeds: np.ndarray, size: int | None) -> Iterator[tuple[int, ...]]:
+        for first in range(0, len(indices), CHUNK):
+            chunk = zip(indices[first:first + CHUNK].tolist(), seeds[first:first + CHUNK].tolist())
+            if size is None:
+                yield from chunk
+            else:  # a third element: the epoch's training resolution (progressive resizing)
+                yield from ((index, seed, size) for (index, seed) in chunk)
 
     def __len__(self) -> int:
         remaining = max(0, self.num_samples_total - self.start)

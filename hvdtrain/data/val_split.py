@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .file_index import DataError, FileIndex, SplitIndex
+from .file_index import DataError, FileIndex, SplitIndex, compact
 
 FORMAT = "hvdtrain-val-split-v1"
 FILE_NAME = "val_split.json"
@@ -40,7 +40,7 @@ def choose(train: SplitIndex, fraction: float, seed: int) -> list[str]:
 
 def apply_split(index: FileIndex, val_paths: list[str]) -> FileIndex:
     """``index`` with ``val_paths`` moved from its train split into its val split (paths stay
-    relative to train/)."""
+    relative to train/), as compact arrays in memory (one copy per rank: no cache file holds it)."""
     held = set(val_paths)
     label_of = dict(zip(index.train.paths, index.train.labels))
     missing = [p for p in val_paths if p not in label_of]
@@ -50,7 +50,7 @@ def apply_split(index: FileIndex, val_paths: list[str]) -> FileIndex:
     kept = [(p, label) for p, label in zip(index.train.paths, index.train.labels) if p not in held]
     train = SplitIndex(index.train.classes, [p for p, _ in kept], [label for _, label in kept])
     val = SplitIndex(index.train.classes, list(val_paths), [label_of[p] for p in val_paths])
-    return FileIndex(index.root, train, val, index.source, index.seconds)
+    return compact(FileIndex(index.root, train, val, index.source, index.seconds))
 
 
 def load_or_choose(index: FileIndex, fraction: float, seed: int, run_dir: Path) -> tuple[list[str], str]:

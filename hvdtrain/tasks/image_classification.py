@@ -25,6 +25,7 @@ from ..config import Config, ConfigError
 from ..data.demo import ensure_demo_dataset
 from ..data.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
 from ..data.file_index import FileIndex, shared_index
+from ..data.file_list import host_budget
 from ..data.image_folder import CountingLoader, ImageFiles, collate
 from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
 from ..data.mixing import BatchMix
@@ -77,13 +78,13 @@ def summarize(sums: torch.Tensor) -> dict[str, float]:
 
 
 def file_datasets(data, root: Path, is_primary: bool = True, broadcast_object=None, augment=None,
-                  run_dir: Path | None = None, seed: int = 0,
-                  transforms: tuple | None = None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
+                  run_dir: Path | None = None, seed: int = 0, transforms: tuple | None = None,
+                  allgather=None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
     """The train and val datasets over rank 0's (cached) file index; with ``data.val_fraction``,
     val is the part of train/ recorded in ``run_dir`` (data/val_split.py). ``transforms``: (train,
     val) instead of the CPU pipeline's (e.g. the device decoder's planning transforms)."""
     splits = ("train",) if data.val_fraction > 0 else ("train", "val")
-    index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object, splits)
+    index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object, splits, allgather)
     val_dir = root / "val"
     if data.val_fraction > 0:
         index, note = shared_split(index, data.val_fraction, seed, Path(run_dir or "."), is_primary,
@@ -151,7 +152,7 @@ class ImageClassification(Task):
             return self.shard_loaders(env, transforms)
         root = dataset_root(cfg, env)
         train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object, cfg.augment,
-                                                       Path(cfg.output.dir), cfg.seed, transforms)
+                                                       Path(cfg.output.dir), cfg.seed, transforms, env.allgather)
         self.num_classes = cfg.model.num_classes or len(self.index.train.classes)
         self.mix.num_classes = self.num_classes
         train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True,
@@ -169,8 +170,10 @@ class ImageClassification(Task):
         val = CountingLoader(DataLoader(SeededSamples(val_set), batch_size=batch, sampler=val_sampler,
                                         drop_last=False, collate_fn=collate,
                                         generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
+        # Persistent workers: the training and the validation loader each keep data.workers.
+        budget = host_budget(env.ranks_on_host, 2, data.workers, self.index.nbytes, self.index.sharing())
         return Loaders(train, val, train_sampler, len(train_set), len(val_set), val_sampler,
-                       note="; ".join(filter(None, [self.index_note(), self.decoding_note()])))
+                       note="; ".join(filter(None, [self.index_note(), self.decoding_note(), budget])))
 
     def decoding(self, env: DataEnv) -> tuple | None:
         """``data.decoder``: None for the CPU pipeline, else the planning transforms of the device

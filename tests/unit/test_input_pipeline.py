@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from hvdtrain.config import DataConfig
 from hvdtrain.data import DataError
 from hvdtrain.tasks.image_classification import file_datasets
 from hvdtrain.data.file_index import FORMAT, build_index, cache_file
+from hvdtrain.data.file_list import MAGIC, Buffer, read_header
 from hvdtrain.data.image_folder import BadFileError, CountingLoader, collate
 from hvdtrain.data.decode import BadImage, CenterCrop, TrainCrop, crop_params
 
@@ -201,7 +203,7 @@ def test_index_matches_image_folder_and_is_cached_until_a_folder_changes(tmp_pat
     folder = datasets.ImageFolder(str(root / "train"))
     assert first.train.classes == folder.classes
     assert [str(root / "train" / p) for p in first.train.paths] == [p for p, _ in folder.samples]
-    assert first.train.labels == [label for _, label in folder.samples]
+    assert list(first.train.labels) == [label for _, label in folder.samples]
 
     second = build_index(root, cache)
     assert second.source == "cache" and second.train.paths == first.train.paths
@@ -212,21 +214,59 @@ def test_index_matches_image_folder_and_is_cached_until_a_folder_changes(tmp_pat
     assert build_index(root, None).source == "scan"
 
 
-def test_index_cache_is_json_and_equals_a_fresh_scan(tmp_path):
+def test_index_cache_is_compact_binary_and_equals_a_fresh_scan(tmp_path):
     root = tmp_path / "data"
     write_dataset(root, np.random.default_rng(5), bad=False)
     (root / "val" / "c1" / "ünïcode name é.JPEG").write_bytes(jpeg(photo(np.random.default_rng(6), 80, 60)))
+    odd = os.fsdecode(b"c1/not utf-8 \xff.JPEG")  # a name in no encoding: kept byte for byte
+    (root / "val" / odd).write_bytes(jpeg(photo(np.random.default_rng(7), 80, 60)))
     cache = tmp_path / "cache"
     scanned = build_index(root, cache)
-    payload = json.loads(cache_file(root, cache).read_text(encoding="utf-8"))
-    assert payload["format"] == FORMAT == "hvdtrain-file-index-v2"
-    assert payload["train"]["paths"] == scanned.train.paths
-    assert not [p for p in cache_file(root, cache).parent.iterdir() if ".tmp-" in p.name]  # no scratch left
+    path = cache_file(root, cache)
+    header, _ = read_header(Buffer.of_file(path))
+    assert path.read_bytes().startswith(MAGIC) and header["format"] == FORMAT == "hvdtrain-file-index-v3"
+    assert header["splits"]["train"]["count"] == len(scanned.train) and scanned.buffer is not None
+    assert os.readlink(f"/proc/self/fd/{scanned.buffer.fd}") == str(path)  # the list is the file, mapped
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # no scratch left
 
     cached, fresh = build_index(root, cache), build_index(root, None)
     assert (cached.source, fresh.source) == ("cache", "scan")
     assert (cached.root, cached.train, cached.val) == (fresh.root, fresh.train, fresh.val)
-    assert "c1/ünïcode name é.JPEG" in cached.val.paths
+    assert "c1/ünïcode name é.JPEG" in cached.val.paths and odd in cached.val.paths
+    assert "anonymous memory" in fresh.sharing() and "cache file" in cached.sharing()
+    dataset = file_datasets(DataConfig(image_size=32), root)[1]
+    assert dataset[dataset.paths.index(odd)][0].shape == (3, 32, 32)  # opened by its exact name
+
+
+def rewrite(path: Path, edit_header=None, edit_data=None) -> None:
+    """The cache file with its JSON header and/or its arrays changed, its size field kept right."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[len(MAGIC):len(MAGIC) + 8], "little")
+    block = len(MAGIC) + 8 + length
+    header, data = json.loads(raw[len(MAGIC) + 8:block]), bytearray(raw[block + (-block % 64):])
+    if edit_data is not None:
+        edit_data(header, data)
+    if edit_header is not None:
+        header = edit_header(header)
+    text = json.dumps(header).encode()
+    block = len(MAGIC) + 8 + len(text)
+    if isinstance(header, dict):
+        header["size"] = 0
+        while header["size"] != block + (-block % 64) + len(data):
+            header["size"] = block + (-block % 64) + len(data)
+            text = json.dumps(header).encode()
+            block = len(MAGIC) + 8 + len(text)
+    path.write_bytes(MAGIC + len(text).to_bytes(8, "little") + text + b"\0" * (-block % 64) + bytes(data))
+
+
+def set_label(header: dict, data: bytearray) -> None:
+    at, dtype = header["splits"]["val"]["labels"]
+    data[at:at + 2] = (99).to_bytes(2, "little")  # a class that does not exist
+
+
+def unorder(header: dict, data: bytearray) -> None:
+    at, dtype = header["splits"]["train"]["starts"]
+    data[at + 4:at + 8] = (0).to_bytes(4, "little")  # the second name would start before the first
 
 
 class Unpickled:
@@ -239,33 +279,49 @@ class Unpickled:
         return open, (str(self.marker), "w")
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "old_pickle", "other_format", "stale_key",
-                                    "not_a_dict", "bad_index", "directory"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "old_pickle", "old_json", "other_format",
+                                    "stale_key", "not_a_dict", "bad_label", "unordered", "out_of_bounds",
+                                    "huge_header", "directory"])
 def test_a_corrupt_or_old_index_cache_is_rebuilt_silently(damage, tmp_path, capsys):
     root = tmp_path / "data"
     write_dataset(root, np.random.default_rng(7), bad=False)
     cache = tmp_path / "cache"
     fresh = build_index(root, cache)
     path = cache_file(root, cache)
-    payload = json.loads(path.read_text())
+    key = read_header(Buffer.of_file(path))[0]["key"]
     marker = tmp_path / "unpickled"
+    v2 = {"format": "hvdtrain-file-index-v2", "key": key, "root": str(root),
+          "train": {"classes": fresh.train.classes, "paths": list(fresh.train.paths), "labels": list(fresh.train.labels)},
+          "val": {"classes": fresh.val.classes, "paths": list(fresh.val.paths), "labels": list(fresh.val.labels)}}
+    # Damage rewrites the file in place, which hvdtrain never does (it replaces the file): a
+    # mapping of the old contents would see the damage, so compare with a copy in memory.
+    fresh = build_index(root, None)
     if damage == "garbage":
-        path.write_bytes(b"\x80\x04\xff not json \x00")
+        path.write_bytes(b"\x80\x04\xff not an index \x00")
     elif damage == "truncated":
-        path.write_text(path.read_text()[:-20])
+        path.write_bytes(path.read_bytes()[:-20])
     elif damage == "empty":
         path.write_bytes(b"")
     elif damage == "old_pickle":  # what hvdtrain-file-index-v1 wrote (here with a payload that must not run)
-        path.write_bytes(pickle.dumps({"format": "hvdtrain-file-index-v1", "key": payload["key"],
-                                       "index": Unpickled(marker)}))
+        path.write_bytes(pickle.dumps({"format": "hvdtrain-file-index-v1", "key": key, "index": Unpickled(marker)}))
+    elif damage == "old_json":  # hvdtrain-file-index-v2, at its own name and at the new one
+        path.with_suffix(".json").write_text(json.dumps(v2))
+        path.write_text(json.dumps(v2))
     elif damage == "other_format":
-        path.write_text(json.dumps({**payload, "format": "hvdtrain-file-index-v1"}))
+        rewrite(path, lambda header: {**header, "format": "hvdtrain-file-index-v2"})
     elif damage == "stale_key":
-        path.write_text(json.dumps({**payload, "key": "0" * 64, "train": {**payload["train"], "paths": ["gone.JPEG"] * 9}}))
+        rewrite(path, lambda header: {**header, "key": "0" * 64})
     elif damage == "not_a_dict":
-        path.write_text(json.dumps([payload]))
-    elif damage == "bad_index":  # the right format and key, but the index is not one
-        path.write_text(json.dumps({**payload, "val": {**payload["val"], "labels": payload["val"]["labels"][1:]}}))
+        rewrite(path, lambda header: [header])
+    elif damage == "bad_label":
+        rewrite(path, edit_data=set_label)
+    elif damage == "unordered":
+        rewrite(path, edit_data=unorder)
+    elif damage == "out_of_bounds":
+        rewrite(path, lambda header: {**header, "splits": {**header["splits"], "val": {
+            **header["splits"]["val"], "names": [10**12, header["splits"]["val"]["names"][1]]}}})
+    elif damage == "huge_header":
+        path.write_bytes(MAGIC + (2**62).to_bytes(8, "little") + b"{}")
     elif damage == "directory":
         path.unlink()
         path.mkdir()
@@ -275,8 +331,9 @@ def test_a_corrupt_or_old_index_cache_is_rebuilt_silently(damage, tmp_path, caps
     assert not marker.exists()
     assert capsys.readouterr() == ("", "")
     if damage != "directory":  # rewritten in the current format, so the next start reads it
-        assert json.loads(path.read_text())["format"] == FORMAT
+        assert read_header(Buffer.of_file(path))[0]["format"] == FORMAT
         assert build_index(root, cache).source == "cache"
+        assert not path.with_suffix(".json").exists()  # the v2 cache is gone once v3 is written
 
 
 @pytest.mark.parametrize("layout, message", [

@@ -3,7 +3,6 @@ prepare``'s source files, symlink loops in a data folder, and temporary files in
 
 from __future__ import annotations
 
-import json
 import os
 import tarfile
 import time
@@ -206,7 +205,7 @@ def test_the_file_index_cache_is_not_written_through_a_planted_link(source, tmp_
     target.with_name(f"{target.name}.tmp-{os.getpid()}").symlink_to(victim)
     build_index(source, cache)
     assert victim.read_text() == "the victim's file"
-    assert json.loads(target.read_text())["format"].startswith("hvdtrain-file-index")
+    assert target.read_bytes().startswith(b"hvdtrain-file-index")
     assert build_index(source, cache).source == "cache"
 
 

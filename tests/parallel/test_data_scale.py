@@ -1,0 +1,39 @@
+"""``benchmarks/data_scale.py`` at tiny sizes: every row is measured, and the work it timed was done
+(files indexed, samples drawn through the loader and the sampler, the index shared by 2 ranks
+launched for real, once mapped and once sent)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.helpers import REPO, job_env
+
+
+def test_data_scale_benchmark_measures_every_row(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "300,2k",
+                           "--folder-max", "1k", "--workers", "0,2", "--runs", "1", "--batch", "4", "--batches", "3",
+                           "--root", str(tmp_path), "--json", str(out)],
+                          cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    printed = [json.loads(line.split("data_scale: ", 1)[1]) for line in done.stdout.splitlines()
+               if line.startswith("data_scale: {")]
+    assert printed == rows and [(r["n"], r["workers"]) for r in rows] == [(300, 0), (300, 2), (2000, 0), (2000, 2)]
+    for row in rows:
+        synthetic = row["n"] > 1000
+        assert row["synthetic"] is synthetic and row["files"] == row["n"] and row["val_files"] > 0
+        assert (row["scan_s"] is None) is synthetic and row["cache_bytes"] > 20 * row["n"]
+        assert len(row["load_s"]) == 2 and all(0 < s < 30 for s in row["load_s"])
+        assert len(row["broadcast_mapped_s"]) == len(row["broadcast_sent_s"]) == 1
+        assert row["sampler_drawn"] == math.ceil(row["n"] / 8) and len(row["sampler_start_s"]) == 2
+        # The loader drew its batches: 3 of 4 samples; without files (synthetic) each one a bad file.
+        assert row["samples"] == 12 and row["bad_files"] == (12 if synthetic else 0)
+        assert all(p > 100 << 20 for p in row["pss_peak"]) and row["loader_iter_s"][0] >= 0
+        if row["workers"]:
+            assert row["processes"] >= 4 and row["worker_private"][0] > 1 << 20 and len(row["per_worker"]) == 1
+    assert f"{2000:,} (synthetic) | 2 |" in done.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("hvdtrain-data-scale-")]  # cleaned up
