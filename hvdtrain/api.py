@@ -6,22 +6,24 @@ A script that calls ``fit`` runs under any launcher, as ``python -m hvdtrain`` d
     mpirun -np 2 -bind-to none -map-by slot python my_train.py
     srun --mpi=pmix -n 2 python my_train.py
 
-``fit`` is the CLI's train command with the config built from Python values: it runs
-``cli.run_training`` (the static loop, or the elastic one under ``elastic.enabled``), so resume,
+``fit`` is the CLI's train command with the config built from Python values: both run ``train``
+(the static loop, or the elastic one under ``elastic.enabled``), so resume,
 checkpoints, SIGTERM/SIGUSR1, the watchdog, metrics.jsonl and tensorboard behave exactly as there.
 It also ends the process the way the CLI does where the CLI would: one line and ``SystemExit(2)``
 for a bad config or task, ``SystemExit(75)`` after a preemption checkpoint (resume by running the
-script again), ``SystemExit(1)`` when a rank is lost.
+script again), ``SystemExit(1)`` when a rank is lost (the codes: outcome.py). The CLI (cli.py) is a
+thin layer over this module: its train and evaluate commands call ``train`` and
+``evaluate_checkpoint_file``.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 
-from . import cli
+from . import outcome
+from .arguments import require_data_choice
 from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, load_config, to_dict, validate
 
 if TYPE_CHECKING:  # torch and the tasks load only when a run starts
@@ -101,21 +103,36 @@ def fit(task: TaskSource = None, config: ConfigSource = None, overrides: Iterabl
     """
     with one_line_errors():
         cfg = build_config(config, overrides, task)
-        cli.require_data_choice(None if config is None else "config", cfg)
+        require_data_choice(None if config is None else "config", cfg)
         check_task(cfg)
-        from . import dist  # torch and Horovod: after the config and the task are checked
-        from .run import JobStopped, Preempted
+        code, run, last = train(cfg)
+        if code:
+            raise SystemExit(code)
+        from . import dist  # loaded by the run
 
-        try:
-            run, last = cli.run_training(cfg)
-        except Preempted as stop:
-            raise SystemExit(stop.exit_code) from None
-        except JobStopped as lost:
-            if lost.speak:
-                print(lost, file=sys.stderr, flush=True)
-            raise SystemExit(lost.exit_code) from None
         return FitResult(model=run.state.model, metrics=last, run_dir=run.run_dir, config=cfg,
                          rank=dist.rank(), size=dist.size())
+
+
+def run_training(cfg: Config):
+    """The one training loop (trainer.Trainer), static or under Horovod Elastic as ``elastic.enabled``
+    says. Returns the run and its last epoch's metrics."""
+    from .trainer import Trainer
+
+    return Trainer(cfg).fit()
+
+
+def train(cfg: Config) -> tuple[int, Any, dict[str, Any]]:
+    """Run ``cfg`` to its end on the ranks of this job: (exit code, the run, its last epoch's
+    metrics). A run that stops early (preemption, a lost rank) gives its code by the one map
+    (outcome.stop_code) and no run; the user's errors propagate."""
+    from .run import JobStopped, Preempted  # torch and Horovod: after the config is checked
+
+    try:
+        run, last = run_training(cfg)
+    except (Preempted, JobStopped) as stop:
+        return outcome.stop_code(stop), None, {}
+    return outcome.EXIT_OK, run, last
 
 
 def evaluate(checkpoint: str | Path, overrides: Iterable[str] | Mapping[str, Any] = (),
@@ -126,12 +143,19 @@ def evaluate(checkpoint: str | Path, overrides: Iterable[str] | Mapping[str, Any
     the class, an instance, or its ``task`` string), unless this process handed it to ``fit``
     already: no code named only inside a checkpoint is imported (``checkpoint_config``)."""
     with one_line_errors():
-        path = Path(checkpoint)
-        cfg = checkpoint_config(path, overrides, task, how="evaluate(..., task=MyTask) or task='my_task.py:MyTask'")
-        check_task(cfg)
-        from .run import evaluate_checkpoint
+        return evaluate_checkpoint_file(Path(checkpoint), overrides, task,
+                                        how="evaluate(..., task=MyTask) or task='my_task.py:MyTask'")
 
-        return evaluate_checkpoint(cfg, path)
+
+def evaluate_checkpoint_file(path: Path, overrides: Iterable[str] | Mapping[str, Any] = (), task: TaskSource = None,
+                             how: str = "--task my_task.py:MyTask") -> dict[str, Any]:
+    """``evaluate`` without its error handling (the CLI reports errors itself); ``how`` says how to
+    name a task of one's own in the caller's terms."""
+    cfg = checkpoint_config(path, overrides, task, how=how)
+    check_task(cfg)
+    from .run import evaluate_checkpoint
+
+    return evaluate_checkpoint(cfg, path)
 
 
 def checkpoint_config(path: Path, overrides: Iterable[str] | Mapping[str, Any] = (), task: TaskSource = None,
@@ -172,6 +196,6 @@ class one_line_errors:
         return None
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if error is not None and isinstance(error, cli.user_errors()):
-            raise SystemExit(cli.report_error(error)) from None
+        if error is not None and isinstance(error, outcome.user_errors()):
+            raise SystemExit(outcome.report_error(error)) from None
         return False

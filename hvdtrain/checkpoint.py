@@ -12,6 +12,7 @@ checkpoint is written once.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -31,6 +32,42 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, phrased as one line naming the file."""
 
 
+class DiskFull(OSError):
+    """A checkpoint that did not fit: one line naming the folder, the bytes needed and free, and
+    what to do. Nothing was left behind (no partial or temporary file), and the older checkpoints
+    are untouched."""
+
+
+# Free space kept beyond a checkpoint's expected size: the file system's own needs, and the
+# metrics, logs and tracker files written next to it.
+MARGIN_BYTES = 32 * 2**20
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def payload_bytes(value: Any) -> int:
+    """The bytes of the tensors in a checkpoint payload (nested dicts and lists): its size on disk,
+    give or take the archive's small overhead."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(payload_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(item) for item in value)
+    return 0
+
+
+def megabytes(count: float) -> str:
+    return f"{count / 2**20:,.0f} MB"
+
+
+def no_space(directory: Path, needed: int, keep: int) -> DiskFull:
+    usage = shutil.disk_usage(directory)
+    return DiskFull(errno.ENOSPC, f"checkpoint not written: {directory} has {megabytes(usage.free)} free and the "
+                    f"checkpoint needs {megabytes(needed)} (with {megabytes(MARGIN_BYTES)} to spare); the older "
+                    f"checkpoints are intact. Free space there, keep fewer (checkpoint.keep={keep}), or set "
+                    f"output.dir to another file system")
+
+
 def _fsync_dir(path: Path) -> None:
     directory = os.open(path, os.O_RDONLY)
     try:
@@ -46,10 +83,21 @@ def atomic_save(payload: dict[str, Any], path: Path) -> None:
     scratch = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(scratch, "wb") as handle:
-            torch.save(payload, handle)
+            try:
+                torch.save(payload, handle)
+            except RuntimeError as error:
+                # PyTorch's archive writer reports a failed write as "unexpected pos ...": see
+                # whether the file system is full (an fsync or a one-byte write then says so).
+                handle.flush()
+                os.fsync(handle.fileno())
+                raise OSError(errno.EIO, f"writing {path} failed: {str(error).splitlines()[0][:200]}") from error
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(scratch, path)
+    except OSError as error:
+        if error.errno not in NO_SPACE and shutil.disk_usage(path.parent).free < 2**20:
+            raise OSError(errno.ENOSPC, str(error)) from error
+        raise
     finally:
         if scratch.exists():
             scratch.unlink()
@@ -62,12 +110,16 @@ def atomic_link(source: Path, target: Path) -> None:
     if scratch.exists():
         scratch.unlink()
     try:
-        os.link(source, scratch)
-    except OSError:
-        shutil.copyfile(source, scratch)
-        with open(scratch, "rb+") as handle:
-            os.fsync(handle.fileno())
-    os.replace(scratch, target)
+        try:
+            os.link(source, scratch)
+        except OSError:
+            shutil.copyfile(source, scratch)
+            with open(scratch, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.replace(scratch, target)
+    finally:
+        if scratch.exists():
+            scratch.unlink()
     _fsync_dir(target.parent)
 
 
@@ -87,9 +139,24 @@ class CheckpointSaver:
         self.keep = keep
 
     def save(self, payload: dict[str, Any], is_best: bool) -> Path:
+        """Write the checkpoint; ``DiskFull`` (nothing written, nothing lost) when the folder's file
+        system has no room for it: checked before writing against the larger of the payload's bytes
+        and the last checkpoint's size, and again on ENOSPC/EDQUOT while writing."""
         if "config" in payload:  # a password in a URL (tracking.mlflow.tracking_uri) is written as ***
             payload = {**payload, "config": mask_values(payload["config"])}
+        self.directory.mkdir(parents=True, exist_ok=True)
         last = self.directory / "last.pt"
+        needed = max(payload_bytes(payload), last.stat().st_size if last.is_file() else 0)
+        if shutil.disk_usage(self.directory).free < needed + MARGIN_BYTES:
+            raise no_space(self.directory, needed, self.keep)
+        try:
+            return self.write(payload, is_best, last)
+        except OSError as error:
+            if error.errno in NO_SPACE:
+                raise no_space(self.directory, needed, self.keep) from None
+            raise
+
+    def write(self, payload: dict[str, Any], is_best: bool, last: Path) -> Path:
         if self.keep > 0:
             path = self.directory / f"step-{payload['step']:08d}.pt"
             atomic_save(payload, path)

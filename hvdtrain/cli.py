@@ -10,58 +10,17 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
-from . import launcher
+from . import launcher, outcome
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
-from .config import PACKAGED_CONFIGS, Config, ConfigError, dump_yaml, load_config
-from .data import DataError
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """Errors that are the user's to fix: reported in one line, without a traceback.
-
-    A CheckpointError can only come from hvdtrain.checkpoint once it is loaded; importing it just
-    to name the class would load torch on the way to a one-line usage error.
-    """
-    checkpoint = sys.modules.get(f"{__package__}.checkpoint")
-    return (UsageError, ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
-
+from .config import PACKAGED_CONFIGS, dump_yaml, load_config
 
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (Horovod is not initialized yet, nor imported)."""
     return launcher.rank()
-
-
-def run_training(cfg: Config):
-    """The loop this config asks for: the elastic one under ``elastic.enabled``, else the static one.
-    Returns the run and its last epoch's metrics."""
-    if cfg.elastic.enabled:
-        from .elastic import train_elastic
-
-        return train_elastic(cfg)
-    from .trainer import train
-
-    return train(cfg)
-
-
-def report_error(error: Exception) -> int:
-    """One line on stderr, once per job.
-
-    Errors that every rank hits alike (a bad config, a missing folder) would print once per rank;
-    ranks other than 0 wait a moment first, and the launcher ends them when rank 0 exits, so the
-    line from another rank only shows when that rank alone failed.
-    """
-    rank = launcher_rank()
-    if rank != 0:
-        time.sleep(3)
-        print(f"hvdtrain: error on rank {rank} ({socket.gethostname()}): {error}", file=sys.stderr, flush=True)
-    else:
-        print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
-    return 2
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -72,17 +31,10 @@ def cmd_train(argv: list[str]) -> int:
             print(dump_yaml(cfg), end="")
         return 0
     require_data_choice(args.config, cfg)
-    from .run import JobStopped, Preempted  # imports Horovod: keep --print-config fast
+    from .api import train  # imports Horovod: keep --print-config fast
 
-    try:
-        run_training(cfg)
-    except Preempted as stop:
-        return stop.exit_code
-    except JobStopped as lost:
-        if lost.speak:
-            print(lost, file=sys.stderr, flush=True)
-        return lost.exit_code
-    return 0
+    code, _, _ = train(cfg)
+    return code
 
 
 def cmd_evaluate(argv: list[str]) -> int:
@@ -95,13 +47,10 @@ def cmd_evaluate(argv: list[str]) -> int:
                         "(module:Class or path/to/file.py:Class): hvdtrain imports no code a checkpoint names")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    from .api import checkpoint_config  # imports torch: after the arguments are checked
+    from .api import evaluate_checkpoint_file  # imports torch: after the arguments are checked
 
     path = Path(args.checkpoint)
-    cfg = checkpoint_config(path, args.overrides, args.task, how="--task my_task.py:MyTask or module:Class")
-    from .run import evaluate_checkpoint
-
-    metrics = evaluate_checkpoint(cfg, path)
+    metrics = evaluate_checkpoint_file(path, args.overrides, args.task, how="--task my_task.py:MyTask or module:Class")
     if launcher_rank() == 0:
         print(json.dumps({"split": "val", "checkpoint": str(path), **metrics}), flush=True)
     return 0
@@ -141,6 +90,12 @@ def cmd_ray(argv: list[str]) -> int:
     return ray_main(argv)
 
 
+def cmd_launch(argv: list[str]) -> int:
+    from .launch import main as launch_main
+
+    return launch_main(argv)
+
+
 def cmd_report(argv: list[str]) -> int:
     from .tools.report import cmd_report as run
 
@@ -149,7 +104,7 @@ def cmd_report(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "evaluate": cmd_evaluate, "bench": cmd_bench, "bench-data": cmd_bench_data,
-    "report": cmd_report, "doctor": cmd_doctor, "prepare": cmd_prepare, "ray": cmd_ray,
+    "report": cmd_report, "doctor": cmd_doctor, "prepare": cmd_prepare, "ray": cmd_ray, "launch": cmd_launch,
 }
 
 
@@ -162,6 +117,7 @@ SUMMARIES: dict[str, str] = {
     "doctor": "check that hosts can train together (ssh, versions, Horovod build) and time allreduce",
     "prepare": "convert an ImageFolder into tar shards (WebDataset format) for training from shards or S3",
     "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
+    "launch": "horovodrun with the ranks' exit code (75, 2, 1) and the cause as its last line",
 }
 HELP_WORDS = ("-h", "--help", "help")
 
@@ -246,15 +202,23 @@ def pick_command(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    code = outcome.EXIT_CRASH
     try:
         command, args = pick_command(argv)
-        return command(args)
+        code = command(args)
+        return code
     except KeyboardInterrupt:
-        return 130
+        outcome.note_cause("interrupted (Ctrl-C)")
+        code = outcome.EXIT_INTERRUPTED
+        return code
     except Exception as error:
-        if isinstance(error, user_errors()):
-            return report_error(error)
+        if isinstance(error, outcome.user_errors()):
+            code = outcome.report_error(error)
+            return code
+        outcome.crash_cause(error)
         raise
+    finally:
+        outcome.write_exit_record(code)
 
 
 if __name__ == "__main__":

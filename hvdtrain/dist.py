@@ -4,92 +4,33 @@ horovod.runner to place ranks and serve the Gloo rendezvous on a Ray cluster).
 Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_state(s)``,
 never ``hvd`` directly. Every collective here is correct at world size 1 as well, so the same
 code path runs a single process (no launcher) and a thousand ranks. ``rank()``, ``size()`` and
-``local_rank()`` also answer before ``init()``, from the launcher's environment.
+``local_rank()`` also answer before ``init()``, from the launcher's environment. The environment
+Horovod starts from is horovod_env.py's, the gradient groups buckets.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import Any, Iterable, Iterator
 
+import cloudpickle
 import torch
 
 import horovod.torch as hvd
 from horovod.common.elastic import State as ElasticStateBase
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from horovod.torch.optimizer import _DistributedAdasumOptimizer, _DistributedOptimizer
 
 from . import launcher
+from .buckets import gradient_buckets
 from .config import ConfigError
+from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, check_elastic_env, stall_inspector_env
 
 Compression = hvd.Compression
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
-# hvd.DistributedOptimizer builds a new class from the wrapped optimizer's class and a copy of one
-# of these classes' methods (it is not a subclass of them): their synchronize() marks it.
-_SYNCHRONIZE_METHODS = (_DistributedOptimizer.synchronize, _DistributedAdasumOptimizer.synchronize)
-
 # Horovod's SyncBatchNorm runs on CUDA tensors only; sync_bn.py has the CPU counterpart.
 CudaSyncBatchNorm = hvd.SyncBatchNorm
-
-
-# Horovod and Open MPI settings hvdtrain starts from, by device; a variable already in the
-# environment always wins (os.environ.setdefault), so users and launchers can override any of them.
-# Why, in short (README "Performance defaults" has the measurements):
-# - HOROVOD_CYCLE_TIME (ms between background-thread cycles; Horovod's default is 1). Every cycle
-#   is a cross-rank coordination round. On CPU a step takes hundreds of milliseconds, and a round
-#   every millisecond costs more than it saves: it wakes the background thread 1000 times a second
-#   on cores that torch is already using, and under the MPI controller each round is an MPI
-#   collective whose wait busy-polls. Longer cycles also fuse more gradients per allreduce.
-#   On GPU, steps are milliseconds long and NCCL runs on the device: keep the short cycle.
-# - OMPI_MCA_mpi_yield_when_idle: Open MPI spins at full speed in a blocking call unless it sees the
-#   host oversubscribed; with torch's threads on every core a spinning rank steals time from the
-#   compute of its own and the other ranks. Yielding gives the core back while waiting.
-# - HOROVOD_CYCLE_WAKE_ON_ENQUEUE (third_party/horovod-0.28.1.patch; Gloo controller only): start
-#   a cycle as soon as a gradient group arrives instead of sleeping out the cycle, and at once after
-#   a cycle that left tensors waiting for another rank (its coordination round then waits asleep
-#   until that rank is ready). The up to 20 ms the cycle added at the end of backward go.
-#   Not under MPI, whose coordination round would poll while it waits.
-CPU_ENV_DEFAULTS = {
-    "HOROVOD_CYCLE_TIME": "20",
-    "OMPI_MCA_mpi_yield_when_idle": "1",
-}
-CPU_GLOO_ENV_DEFAULTS = {
-    "HOROVOD_CYCLE_WAKE_ON_ENQUEUE": "1",
-}
-GPU_ENV_DEFAULTS: dict[str, str] = {}
-
-# Not in elastic runs. In Horovod 0.28.1 a fixed cycle time breaks re-initialization in the same
-# process (what hvd.elastic.run does after every membership change): ParameterManager's
-# BayesianParameter drops a fixed variable from its index map, and the next init's default
-# SetCycleTimeMs(1) then writes its 1 into the slot of the fusion threshold. Workers that were
-# re-initialized fuse gradients up to 1 MB, a worker that has just joined up to 128 MB; where
-# the response cache lets each rank fuse locally they build different buffers, and Gloo aborts
-# the newcomer with "op.preamble.length <= op.nbytes". (Seen in this repository's elastic test.)
-ELASTIC_UNSAFE_ENV = "HOROVOD_CYCLE_TIME"
-# Set by horovodrun for ranks that will use the Gloo controller.
-GLOO_RENDEZVOUS = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
-
-
-def apply_env_defaults(gpu: bool, elastic: bool = False) -> dict[str, str]:
-    """Set hvdtrain's defaults for variables the environment leaves unset; returns the effective values."""
-    defaults = dict(GPU_ENV_DEFAULTS if gpu else CPU_ENV_DEFAULTS)
-    if not gpu and GLOO_RENDEZVOUS in os.environ:
-        defaults.update(CPU_GLOO_ENV_DEFAULTS)
-    if elastic:
-        defaults.pop(ELASTIC_UNSAFE_ENV, None)
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in defaults}
-
-
-def check_elastic_env() -> None:
-    """Refuse settings that Horovod Elastic cannot survive, before any worker starts training."""
-    if ELASTIC_UNSAFE_ENV in os.environ:
-        raise ConfigError(
-            f"{ELASTIC_UNSAFE_ENV}={os.environ[ELASTIC_UNSAFE_ENV]} is set, and with elastic.enabled=true Horovod "
-            "0.28.1 then loses its fusion threshold whenever workers re-initialize, so a worker that joins "
-            f"crashes the job; unset {ELASTIC_UNSAFE_ENV} (and leave out horovodrun --cycle-time-ms) for elastic runs")
 
 
 def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = False,
@@ -149,14 +90,6 @@ def join(device: int = -1) -> int:
     if problem:
         raise ConfigError(problem)
     return hvd.join(device)
-
-
-def stall_inspector_env(warning_seconds: int, shutdown_seconds: int) -> dict[str, str]:
-    """Horovod's variables for the stall inspector (read by every rank at ``hvd.init``)."""
-    if warning_seconds <= 0:
-        return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
-    return {"HOROVOD_STALL_CHECK_DISABLE": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": str(warning_seconds),
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(shutdown_seconds)}
 
 
 def start_timeline(path: str, mark_cycles: bool = True) -> None:
@@ -244,7 +177,26 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name)
+    """``root_rank``'s ``obj`` on every rank (pickled; between the ranks of this job only).
+
+    Horovod's own ``broadcast_object`` builds its byte tensor with ``torch.ByteTensor(bytearray(...))``,
+    one element at a time: about 65 ns a byte, 13 s for 200 MB (a large file index, an optimizer's
+    state). Here the pickle becomes a tensor over the same bytes (``torch.frombuffer``), and two
+    broadcasts (size, then bytes) send it; names as Horovod's (the object's type name by default)."""
+    name = type(obj).__name__ if name is None else name
+    if rank() == root_rank:
+        data = bytearray(cloudpickle.dumps(obj))
+        payload = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        hvd.broadcast_(size, root_rank, name=f"{name}.sz")
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+        hvd.broadcast_(size, root_rank, name=f"{name}.sz")
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    hvd.broadcast_(payload, root_rank, name=f"{name}.t")
+    if rank() == root_rank:
+        return obj
+    return cloudpickle.loads(payload.numpy().tobytes())
 
 
 def barrier() -> None:
@@ -282,9 +234,17 @@ def broadcast_state(state: Any, root_rank: int = 0) -> None:
         state.load_state_dict(rest, exclude=("model",))
 
 
+# The optimizers ``distributed_optimizer`` made. ``hvd.DistributedOptimizer`` returns an instance of
+# a class it builds on the fly from the wrapped optimizer's class and a copy of the methods of one
+# of Horovod's private classes (which call ``super(self.__class__, self)``, so the instance's class
+# cannot be changed either): nothing public tells it apart from a plain optimizer. hvdtrain keeps
+# its own record instead of comparing methods with Horovod's internals.
+_DISTRIBUTED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` came from ``distributed_optimizer`` (allreduces its gradients)."""
-    return type(optimizer).__dict__.get("synchronize") in _SYNCHRONIZE_METHODS
+    return optimizer in _DISTRIBUTED
 
 
 def synchronize(optimizer: torch.optim.Optimizer) -> None:
@@ -330,7 +290,7 @@ def distributed_optimizer(
     groups = None
     if bucket_mb > 0 and op != "adasum":  # Horovod's Adasum optimizer takes no groups
         groups = gradient_buckets([p for _, p in named_parameters], bucket_mb)
-    return hvd.DistributedOptimizer(
+    wrapped = hvd.DistributedOptimizer(
         optimizer,
         named_parameters=named_parameters,
         compression=Compression.fp16 if compression == "fp16" else Compression.none,
@@ -339,30 +299,8 @@ def distributed_optimizer(
         sparse_as_dense=sparse_as_dense,
         groups=groups,
     )
-
-
-def gradient_buckets(parameters: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
-    """The trainable parameters in groups of at least ``bucket_mb`` MB (the last may be smaller),
-    in reverse registration order, which is about the order backward produces their gradients.
-
-    Horovod allreduces a group once all of its gradients are ready, as one fused allreduce: the
-    buckets of DistributedDataParallel. Without groups, every cycle (HOROVOD_CYCLE_TIME) fuses
-    whatever gradients happen to be ready, so one backward pass becomes many smaller allreduces,
-    each with its own negotiation; under Gloo on CPU that cost is measurable (docs/benchmarks.md).
-    A parameter that gets no gradient in a step leaves its group incomplete; Horovod then reduces
-    that group's gradients one by one in ``step()``, on every rank alike."""
-    limit = bucket_mb * 1e6
-    buckets: list[list[torch.nn.Parameter]] = [[]]
-    filled = 0
-    for parameter in reversed(parameters):
-        if not parameter.requires_grad:
-            continue
-        if filled >= limit:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(parameter)
-        filled += parameter.numel() * parameter.element_size()
-    return [bucket for bucket in buckets if bucket]
+    _DISTRIBUTED.add(wrapped)
+    return wrapped
 
 
 def elastic_run(func):

@@ -1,7 +1,8 @@
 """Elastic training: workers may leave (failure, preemption) and join while the job runs.
 
 Launched as ``horovodrun -np N --min-np M --max-np K --host-discovery-script SCRIPT python -m
-hvdtrain elastic.enabled=true ...``. The training loop runs inside Horovod Elastic's retry loop:
+hvdtrain elastic.enabled=true ...``. The Trainer's one loop (trainer.py) runs inside Horovod
+Elastic's retry loop, with the ``Elastic`` membership policy below:
 
 * every ``elastic.commit_every_steps`` steps and at each epoch end the run's state (state.RunState:
   model, optimizer, GradScaler, position, best metric, registered components) is committed to
@@ -30,18 +31,16 @@ import math
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from . import dist
 from .config import Config, ConfigError
-from .engine import train_one_epoch
 from .optim import LRSchedule
-from .preemption import StopRequest
-from .run import Outputs, Run, audit_ranks, end_epoch, finish, log, resume_locally, setup, stop_for_preemption
+from .metrics import MetricSums
+from .run import Outputs, Run, log, resume
 from .state import RunState
-from .trainer import Progress
 
 
 class SampleLog:
@@ -60,11 +59,13 @@ class SampleLog:
         self.indices: list[int] = []
         self.cursor = 0
 
-    def start(self, indices: list[int]) -> None:
+    def start(self, indices: Any) -> None:
+        """This rank's indices for the rest of the epoch (the sampler's array: no list per epoch)."""
         self.indices, self.cursor = indices, 0
 
     def record(self, epoch: int, step: int, count: int) -> None:
         taken = self.indices[self.cursor:self.cursor + count]
+        taken = taken.tolist() if hasattr(taken, "tolist") else list(taken)
         self.cursor += count
         self.pending.append({"epoch": epoch, "step": step, "rank": dist.rank(), "size": dist.size(),
                              "process": self.process, "indices": taken})
@@ -161,88 +162,76 @@ def reconfigure(run: Run) -> int:
     return steps
 
 
-def outputs_for_this_rank(run: Run, outputs: list[Outputs]) -> Outputs:
-    """Rank 0 writes metrics and checkpoints; after a reset rank 0 may be another process."""
-    if outputs and (outputs[0].writer is not None) != dist.is_primary():
-        outputs.pop().close()
-    if not outputs:
-        outputs.append(Outputs(run))
-    return outputs[0]
+class Elastic:
+    """The Trainer's membership policy under Horovod Elastic (trainer.py has the loop): the loop runs
+    in Horovod's retry loop; after every reset the run is fitted to the ranks there are; a step
+    records its samples and commits every ``elastic.commit_every_steps``; an epoch commits at its
+    end; the epoch's metric sums are carried across resets."""
 
+    broadcast = False
 
-def train_elastic(cfg: Config) -> tuple[Run, dict[str, Any]]:
-    if cfg.data.synthetic:
-        raise ConfigError("elastic.enabled=true needs a dataset (data.synthetic=false)")
-    run = setup(cfg)
-    log(f"hvdtrain: elastic: no watchdog; Horovod Elastic replaces a worker that exits, and a collective that "
-        f"hangs fails after {max(30, cfg.dist.timeout_seconds)} s (Gloo's timeout, dist.timeout_seconds), which "
-        f"rolls the job back to its last commit")
-    resume_locally(run)
-    samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
-    elastic_state = ElasticState(run.state, len(run.task.sum_fields), samples)
-    stop = StopRequest.for_config(cfg.runtime)
-    outputs: list[Outputs] = []
-    last: dict[str, Any] = {}
-    if run.clock is not None:
-        run.clock.start()
+    def check(self, cfg: Config) -> None:
+        if cfg.data.synthetic:
+            raise ConfigError("elastic.enabled=true needs a dataset (data.synthetic=false)")
 
-    @dist.elastic_run
-    def loop(es: ElasticState) -> None:
-        nonlocal last
-        state, loaders, position = run.state, run.loaders, run.state.position
-        full_steps = reconfigure(run)
-        out = outputs_for_this_rank(run, outputs)
-        while position.epoch < cfg.train.epochs:
-            position.step_in_epoch = position.samples_in_epoch // run.global_batch
-            remaining = epoch_steps(cfg, loaders.train_size - position.samples_in_epoch, run.global_batch)
-            steps = min(position.step_in_epoch + remaining, full_steps)
+    def start(self, run: Run) -> None:
+        cfg = run.cfg
+        log(f"hvdtrain: elastic: no watchdog; Horovod Elastic replaces a worker that exits, and a collective that "
+            f"hangs fails after {max(30, cfg.dist.timeout_seconds)} s (Gloo's timeout, dist.timeout_seconds), which "
+            f"rolls the job back to its last commit")
+        resume(run, broadcast=False)
+        self.cfg = cfg
+        self.samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
+        self.state = ElasticState(run.state, len(run.task.sum_fields), self.samples)
+        self.outputs: list[Outputs] = []
+        self.committed_before = torch.zeros(0)
+
+    def run(self, run: Run, train_epochs: Callable[[], None]) -> None:
+        dist.elastic_run(lambda state: train_epochs())(self.state)
+
+    def reconfigure(self, run: Run) -> int:
+        return reconfigure(run)
+
+    def outputs_for_this_rank(self, run: Run) -> Outputs:
+        """Rank 0 writes metrics and checkpoints; after a reset rank 0 may be another process."""
+        outputs = self.outputs
+        if outputs and (outputs[0].writer is not None) != dist.is_primary():
+            outputs.pop().close()
+        if not outputs:
+            outputs.append(Outputs(run))
+        return outputs[0]
+
+    def start_epoch(self, run: Run, full_steps: int) -> int:
+        """The steps of this epoch for the ranks there are: the samples it has left, re-split."""
+        position, loaders = run.state.position, run.loaders
+        position.step_in_epoch = position.samples_in_epoch // run.global_batch
+        remaining = epoch_steps(self.cfg, loaders.train_size - position.samples_in_epoch, run.global_batch)
+        # The epoch's committed metric sums (global), to which this call's own (local) are added.
+        self.committed_before = self.state.train_sums.clone()
+        if self.samples is not None:  # this rank's share of the rest of the epoch, in order
             loaders.train_sampler.set_epoch(position.epoch, start=position.samples_in_epoch)
-            if samples is not None:
-                samples.start(loaders.train_sampler.indices())
-            progress = Progress(position.epoch, cfg.train.epochs, steps, first=position.step_in_epoch) \
-                if cfg.output.progress and dist.is_primary() else None
+            self.samples.start(loaders.train_sampler.index_array())
+        return min(position.step_in_epoch + remaining, full_steps)
 
-            # Metric sums of the epoch's committed steps (global), and this call's own (local).
-            committed_before = es.train_sums.clone()
-            sums = out.epoch_sums(run)
+    def epoch_sums(self, sums: MetricSums) -> torch.Tensor:
+        return self.committed_before + dist.allreduce_sum(sums.local(), name="hvdtrain.elastic.train_sums")
 
-            def epoch_sums() -> torch.Tensor:
-                return committed_before + dist.allreduce_sum(sums.local(), name="hvdtrain.elastic.train_sums")
+    def advance(self, run: Run) -> None:
+        position, train_size = run.state.position, run.loaders.train_size
+        position.samples_in_epoch += min(run.global_batch, train_size - position.samples_in_epoch)
 
-            def after_step(state: RunState) -> None:
-                position.samples_in_epoch += min(run.global_batch, loaders.train_size - position.samples_in_epoch)
-                if samples is not None:
-                    samples.record(position.epoch, position.step, run.global_batch // dist.size())
-                if cfg.runtime.audit_every and position.step % cfg.runtime.audit_every == 0:
-                    audit_ranks(run, f"global step {position.step}")
-                if position.step % cfg.elastic.commit_every_steps == 0:
-                    es.train_sums = epoch_sums()
-                    es.commit()
-                if run.timeline is not None:
-                    run.timeline.at_step(position.step)
-                if progress is not None:
-                    progress.update(run, position.step_in_epoch - 1)
-                out.after_step(run, sums)
+    def after_step(self, run: Run, sums: MetricSums) -> None:
+        position = run.state.position
+        if self.samples is not None:
+            self.samples.record(position.epoch, position.step, run.global_batch // dist.size())
+        if position.step % self.cfg.elastic.commit_every_steps == 0:
+            self.state.train_sums = self.epoch_sums(sums)
+            self.state.commit()
 
-            if run.stats is not None:
-                run.stats.take_epoch()  # the epoch's statistics cover its training
-            train_metrics = train_one_epoch(state, run.settings, loaders.train, steps, dist.allreduce_sum,
-                                            on_step=after_step, should_stop=stop.agreed, sums=sums)
-            if progress is not None:
-                progress.close()
-            train_metrics.update(run.task.summarize(epoch_sums()))  # the whole epoch, across resets
-            if train_metrics["stopped"]:
-                stop_for_preemption(run, out, stop, steps)
-            train_metrics["world_size"] = dist.size()
-            last = end_epoch(run, out, position.epoch, train_metrics, watch=False)
-            es.train_sums = torch.zeros_like(es.train_sums)
-            es.commit()
-            if last["val"].get("target_reached"):
-                break  # train.target_top1 reached (global metrics: every rank agrees)
+    def epoch_metrics(self, run: Run, sums: MetricSums, metrics: dict[str, Any]) -> None:
+        metrics.update(run.task.summarize(self.epoch_sums(sums)))  # the whole epoch, across resets
+        metrics["world_size"] = dist.size()
 
-    try:
-        with stop.installed():
-            loop(elastic_state)
-    finally:
-        finish(run, outputs)
-    return run, last
+    def end_epoch(self) -> None:
+        self.state.train_sums = torch.zeros_like(self.state.train_sums)
+        self.state.commit()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from . import dist
+from . import dist, outcome
 from .metrics import MetricSums
 from .optim import LRSchedule, set_lr
 from .phases import GPU_SAMPLE_EVERY, NO_CLOCK, StepClock
@@ -27,9 +27,9 @@ AllreduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 class JobStopped(Exception):
     """The run cannot go on (it diverged, a rank was lost, the ranks disagree): one line, printed by
-    the rank whose ``speak`` is set; the CLI exits with ``exit_code``."""
+    the rank whose ``speak`` is set; the job exits with ``exit_code`` (outcome.stop_code)."""
 
-    exit_code = 1
+    exit_code = outcome.EXIT_CRASH
 
     def __init__(self, line: str, speak: bool):
         super().__init__(line)
@@ -163,57 +163,75 @@ def optimizer_step(state: RunState, settings: StepSettings, clock: StepClock = N
     clock.lap("optimizer")
 
 
-def train_one_epoch(
-    state: RunState,
-    settings: StepSettings,
-    batches: Iterable[Any],
-    steps: int,
-    allreduce_sum: AllreduceSum,
-    on_step: Callable[[RunState], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    sums: MetricSums | None = None,
-) -> dict[str, Any]:
-    """Run the epoch's optimizer steps from ``state.position.step_in_epoch`` up to ``steps``.
+class Epoch:
+    """One epoch's optimizer steps, from ``state.position.step_in_epoch`` up to ``steps``, which the
+    caller runs one at a time and does its own work between (the engine calls nothing back)::
 
-    Each step consumes ``backward_passes_per_step`` batches. ``should_stop`` is asked at every step
-    boundary (it must give the same answer on every rank) and ends the epoch early. Returns global
-    metrics over the steps run: the task's metrics (loss, samples, ...), seconds, samples_per_sec,
-    lr, data_wait_fraction (time waiting for the next batch over the wall time, averaged over
-    ranks), steps (the steps run), stopped, and ``rank_phases``: this rank's seconds per step by
-    phase (``StepClock.summary``; not reduced: run.end_epoch gathers them). ``sums``, when given,
-    is where this rank's metric sums accumulate (the caller may read them between steps).
+        epoch = Epoch(state, settings, batches, steps, allreduce_sum, sums)
+        for _ in epoch:          # one optimizer step per iteration
+            ...                  # the caller's checkpoints, progress, commits; epoch.stop() ends it
+        metrics = epoch.metrics()
+
+    Each step consumes ``backward_passes_per_step`` batches; the caller's work between steps counts
+    in the step's "other" phase. ``metrics()`` (a collective) returns global metrics over the steps
+    run: the task's metrics (loss, samples, ...), seconds, samples_per_sec, lr, data_wait_fraction
+    (time waiting for the next batch over the wall time, averaged over ranks), steps (the steps run),
+    stopped, and ``rank_phases``: this rank's seconds per step by phase (``StepClock.summary``; not
+    reduced: run.end_epoch gathers them). ``sums``, when given, is where this rank's metric sums
+    accumulate (the caller may read them between steps).
     """
-    task, model, position = settings.task, state.model, state.position
-    model.train()
-    sums = MetricSums(len(task.sum_fields)) if sums is None else sums
-    passes = settings.backward_passes_per_step
-    iterator = DeviceBatches(batches, settings, count=(steps - position.step_in_epoch) * passes)
-    clock = settings.step_clock()
-    data_seconds = 0.0
-    stopped = False
-    first_step = position.step_in_epoch
-    start = time.perf_counter()
-    lr = settings.lr_at(state)
-    while position.step_in_epoch < steps:
-        clock.begin()
-        if should_stop is not None and should_stop():
-            stopped = True
-            break
-        lr = settings.lr_at(state)
-        set_lr(state.optimizer, lr)
+
+    def __init__(self, state: RunState, settings: StepSettings, batches: Iterable[Any], steps: int,
+                 allreduce_sum: AllreduceSum, sums: MetricSums | None = None):
+        self.state, self.settings, self.batches, self.steps = state, settings, batches, steps
+        self.allreduce_sum = allreduce_sum
+        self.sums = MetricSums(len(settings.task.sum_fields)) if sums is None else sums
+        position = state.position
+        self.iterator = DeviceBatches(batches, settings,
+                                      count=(steps - position.step_in_epoch) * settings.backward_passes_per_step)
+        self.clock = settings.step_clock()
+        self.data_seconds = 0.0
+        self.stopped = False
+        self.first_step = position.step_in_epoch
+        self.start = time.perf_counter()
+        self.lr = settings.lr_at(state)
+        state.model.train()
+
+    @property
+    def remaining(self) -> int:
+        return self.steps - self.state.position.step_in_epoch
+
+    def stop(self) -> None:
+        """End the epoch before its next step (a stop the ranks agreed on: every rank calls it alike)."""
+        self.stopped = True
+
+    def __iter__(self) -> Iterator[None]:
+        clock = self.clock
+        while not self.stopped and self.remaining > 0:
+            clock.begin()
+            self.step()
+            yield
+            clock.end()
+
+    def step(self) -> None:
+        state, settings, clock = self.state, self.settings, self.clock
+        task, model, position = settings.task, state.model, state.position
+        passes = settings.backward_passes_per_step
+        self.lr = settings.lr_at(state)
+        set_lr(state.optimizer, self.lr)
         clock.lap("other")
         for pass_index in range(passes):
             fetch_start = time.perf_counter()
-            inputs, targets = next(iterator)
+            inputs, targets = next(self.iterator)
             # Batch-level augmentation (mixup/cutmix): its draws depend only on the place in the run.
             inputs, targets = task.augment_batch(inputs, targets, batch_seed(settings.seed, position.epoch,
                                                                              position.step, pass_index, dist.rank()))
-            data_seconds += time.perf_counter() - fetch_start
+            self.data_seconds += time.perf_counter() - fetch_start
             clock.lap("data")
             with settings.autocast():
                 outputs = model(inputs)
                 loss = task.loss(outputs, targets, training=True)
-            sums.add(task.metric_sums(loss.detach(), outputs.detach(), targets))
+            self.sums.add(task.metric_sums(loss.detach(), outputs.detach(), targets))
             scaled = loss / passes
             if state.scaler is not None:
                 state.scaler.scale(scaled).backward()
@@ -227,19 +245,34 @@ def train_one_epoch(
             settings.guard.check(position.step)  # before anything sees the new weights
         for hook in settings.after_optimizer_step:
             hook(state)
-        if on_step is not None:
-            on_step(state)
-        clock.end()
-    seconds = time.perf_counter() - start
-    if settings.guard is not None:
-        settings.guard.check()
-    metrics: dict[str, Any] = task.summarize(sums.reduced(allreduce_sum))
-    wait = allreduce_sum(torch.tensor([data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
-    metrics.update(seconds=seconds, lr=lr, samples_per_sec=metrics["samples"] / max(seconds, 1e-9),
-                   data_wait_fraction=float(wait[0] / wait[1]), steps=position.step_in_epoch - first_step,
-                   stopped=stopped, rank_phases=clock.summary())
-    add_bad_files(metrics, batches, allreduce_sum)
-    return metrics
+
+    def metrics(self) -> dict[str, Any]:
+        """The epoch's global metrics (a collective: every rank calls it)."""
+        settings, allreduce_sum, position = self.settings, self.allreduce_sum, self.state.position
+        seconds = time.perf_counter() - self.start
+        if settings.guard is not None:
+            settings.guard.check()
+        metrics: dict[str, Any] = settings.task.summarize(self.sums.reduced(allreduce_sum))
+        wait = allreduce_sum(torch.tensor([self.data_seconds / max(seconds, 1e-9), 1.0], dtype=torch.float64))
+        metrics.update(seconds=seconds, lr=self.lr, samples_per_sec=metrics["samples"] / max(seconds, 1e-9),
+                       data_wait_fraction=float(wait[0] / wait[1]), steps=position.step_in_epoch - self.first_step,
+                       stopped=self.stopped, rank_phases=self.clock.summary())
+        add_bad_files(metrics, self.batches, allreduce_sum)
+        return metrics
+
+
+def train_one_epoch(state: RunState, settings: StepSettings, batches: Iterable[Any], steps: int,
+                    allreduce_sum: AllreduceSum, should_stop: Callable[[], bool] | None = None,
+                    sums: MetricSums | None = None) -> dict[str, Any]:
+    """An ``Epoch`` run straight through (benchmarks and tests): ``should_stop`` is asked at every step
+    boundary (it must give the same answer on every rank) and ends the epoch early."""
+    epoch = Epoch(state, settings, batches, steps, allreduce_sum, sums)
+    if should_stop is not None and epoch.remaining > 0 and should_stop():
+        epoch.stop()
+    for _ in epoch:
+        if should_stop is not None and epoch.remaining > 0 and should_stop():
+            epoch.stop()
+    return epoch.metrics()
 
 
 class DeviceBatches:
@@ -349,6 +382,7 @@ def evaluate(state: RunState, settings: StepSettings, batches: Iterable[Any], al
             on_batch()
     seconds = time.perf_counter() - start
     metrics: dict[str, Any] = task.summarize(sums.reduced(allreduce_sum))
+    metrics.update(task.reference_metrics())
     metrics.update(seconds=seconds, samples_per_sec=metrics["samples"] / max(seconds, 1e-9))
     add_bad_files(metrics, batches, allreduce_sum)
     return metrics

@@ -7,6 +7,7 @@ and the job reduces the sums, never per-rank means: with uneven shards a mean of
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,21 +43,43 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        self.lost: dict[str, int] = {}
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(logdir=str(run_dir / "tb"))
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record, sort_keys=False) + "\n")
+        """Append ``record``; a write that fails (a full disk, a quota, a vanished mount) costs the
+        record, not the run: one warning per output, and the count at the end."""
+        line = json.dumps(record, sort_keys=False) + "\n"
+        try:
+            with self.path.open("a") as handle:
+                handle.write(line)
+        except OSError as error:
+            self.failed("metrics.jsonl", error)
         if self.tb is not None:
-            split = record["split"]
-            for key, value in record.items():
-                if key not in ("split", "epoch", "step") and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"{split}/{key}", value, global_step=record["epoch"])
-            self.tb.flush()
+            try:
+                split = record["split"]
+                for key, value in record.items():
+                    if key not in ("split", "epoch", "step") and isinstance(value, (int, float)):
+                        self.tb.add_scalar(f"{split}/{key}", value, global_step=record["epoch"])
+                self.tb.flush()
+            except OSError as error:
+                self.failed("tensorboard", error)
+
+    def failed(self, output: str, error: OSError) -> None:
+        self.lost[output] = self.lost.get(output, 0) + 1
+        if self.lost[output] == 1:
+            print(f"hvdtrain: warning: writing {output} in {self.path.parent} failed ({error.strerror or error}); "
+                  f"training goes on, and the records it could not take are counted", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as error:
+                self.failed("tensorboard", error)
+        for output, count in self.lost.items():
+            print(f"hvdtrain: warning: {count} record(s) could not be written to {output} in {self.path.parent}",
+                  file=sys.stderr, flush=True)

@@ -48,8 +48,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import outcome
+
 INSTALL_HINT = "Ray is not installed: pip install -e .[ray] (or make setup EXTRAS=ray)"
-EXIT_PREEMPTED = 75  # hvdtrain.run.Preempted.exit_code (importing run would load torch on the driver)
+EXIT_PREEMPTED = outcome.EXIT_PREEMPTED  # the one map (outcome.py; light: no torch on the driver)
 POLL_SECONDS = 0.5
 # An actor that has not answered a poll for this long is taken as lost (its node died or hangs);
 # Ray itself reports a dead actor sooner, when its worker process or raylet is gone.

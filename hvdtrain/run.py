@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import checkpoint, dist, tracking
+from . import checkpoint, dist, outcome, tracking
 from .audit import audit
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
@@ -211,9 +211,13 @@ class TrainClock:
 
 # --- resume ------------------------------------------------------------------------------------
 
-def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
-    """Rank 0 loads the checkpoint (``path``, or what ``checkpoint.resume`` finds); then everything
-    rank 0 has goes to every rank (a fresh run too: every rank starts from rank 0's initial state).
+def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
+    """The one way a run starts from a checkpoint. Rank 0 loads it (``path``, or what
+    ``checkpoint.resume`` finds) after checking that it continues this run (``same_run``; not for an
+    explicit ``path``, which evaluation passes) and that the model fits; a fresh run starts from
+    ``model.weights`` if set. Then, with ``broadcast``, everything rank 0 has goes to every rank (a
+    fresh run too: every rank starts from rank 0's initial state); an elastic run passes
+    ``broadcast=False``, since its state synchronization brings every rank up to date.
 
     Each rank gets back its own random generators and buffers when the number of ranks is
     unchanged. With another number of ranks the position in the epoch is carried over as a count
@@ -224,13 +228,19 @@ def resume_and_broadcast(run: Run, path: Path | None = None) -> None:
         found = ((path, checkpoint.load(path)) if path is not None
                  else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
         if found is not None:
-            # A training resume (no ``path``: evaluate passes one) must continue the same run.
             refused = same_run(run, found) if path is None else None
             refused = refused or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
             if refused is None:
                 run.state.load_state_dict(found[1])
         elif run.cfg.model.weights:  # a fresh run starts from model.weights; the broadcast below shares them
             log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
+    if not broadcast:
+        if refused:
+            raise ConfigError(refused)
+        if found is not None:
+            run.start_epoch = run.state.position.epoch
+            log(f"hvdtrain: resumed from {found[0]} at {where(run)} (global step {run.state.position.step})")
+        return
     resumed = dist.broadcast_object(
         None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", []), "refused": refused},
         name="hvdtrain.resumed")
@@ -266,24 +276,6 @@ def same_run(run: Run, found: tuple[Path, dict[str, Any]]) -> str | None:
         log(f"hvdtrain: resuming {found[0]} with changed settings: {listed(changed)}"
             + (" (checkpoint.resume=force; recorded in metrics.jsonl)" if meaning else ""))
     return None
-
-
-def resume_locally(run: Run) -> None:
-    """Rank 0 of an elastic job loads the checkpoint into itself; the elastic state synchronization
-    then brings every rank up to date."""
-    if not dist.is_primary():
-        return
-    found = checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log)
-    if found is None and run.cfg.model.weights:
-        log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
-    if found is not None:
-        refused = same_run(run, found) or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
-        if refused:
-            raise ConfigError(refused)
-        run.state.load_state_dict(found[1])
-        run.start_epoch = run.state.position.epoch
-        log(f"hvdtrain: resumed from {found[0]} at epoch {run.start_epoch + 1} "
-            f"(global step {run.state.position.step})")
 
 
 def where(run: Run) -> str:
@@ -325,17 +317,39 @@ def audit_ranks(run: Run, where: str, floating_buffers: bool = False) -> None:
                    speak=dist.is_primary())
 
 
+class DiskFull(JobStopped):
+    """A checkpoint that had to be written did not fit (the last epoch's, or a stop's): the job ends
+    with exit code 74 (EX_IOERR), which says to a scheduler that a retry as it is will not help."""
+
+    exit_code = outcome.EXIT_DISK_FULL
+
+
 def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False,
-                    audited: bool = False) -> Path | None:
+                    audited: bool = False, must: bool = False) -> Path | None:
     """Every rank takes part (random states and buffers are collected); rank 0 writes. The ranks are
-    audited first (unless the caller just did): a checkpoint of diverged ranks is never written."""
+    audited first (unless the caller just did): a checkpoint of diverged ranks is never written.
+
+    A checkpoint that does not fit on its file system (checkpoint.DiskFull) is said in one line,
+    and nothing is lost: the older checkpoints stay as they were. Training goes on and the next
+    checkpoint tries again, unless this one is the last chance (``must``: the final epoch's, or a
+    stop's), which ends the job on every rank with DiskFull (exit code 74)."""
     if run.settings.guard is not None:
         run.settings.guard.check()  # a checkpoint is never written of a diverged state
     if not audited:
         audit_ranks(run, f"the checkpoint of {where(run)} (global step {run.state.position.step})")
     payload = checkpoint_payload(run)
-    path = saver.save(payload, is_best) if saver is not None else None
-    dist.barrier()  # nobody runs ahead (or exits) before the file is in place
+    path, problem = None, None
+    if saver is not None:
+        try:
+            path = saver.save(payload, is_best)
+        except checkpoint.DiskFull as error:
+            problem = error.strerror
+    # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place.
+    problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.saved")
+    if problem:
+        if must:
+            raise DiskFull(f"hvdtrain: {problem}", speak=dist.is_primary())
+        log(f"hvdtrain: warning: {problem}; training goes on and the next checkpoint tries again")
     return path
 
 
@@ -354,7 +368,9 @@ class Outputs:
             self.saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=run.cfg.checkpoint.keep)
             if "tracking" in run.state.extra:
                 self.tracker = tracking.Tracker(run.cfg, run.run_dir, run.state.extra["tracking"],
-                                                sorted({peer.host for peer in run.peers}), log)
+                                                sorted({peer.host for peer in run.peers}), log,
+                                                resume={"step": run.state.position.step, **run.resume_changes}
+                                                if run.resume_changes else None)
 
     def epoch_sums(self, run: Run) -> MetricSums:
         """The sums the epoch's training accumulates into (every rank); the tracker reads rank 0's."""
@@ -444,7 +460,11 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     audit_ranks(run, f"the end of epoch {epoch + 1} (global step {state.position.step})", floating_buffers=True)
     if not validates_after(run.cfg, epoch):  # eval.every_epochs: checkpoint and log the training part only
         state.position.start_epoch(epoch + 1)
-        path = save_checkpoint(run, outputs.saver, audited=True)
+        stopped: DiskFull | None = None
+        try:
+            path = save_checkpoint(run, outputs.saver, audited=True, must=epoch + 1 >= run.cfg.train.epochs)
+        except DiskFull as full:  # the epoch's record and line first
+            path, stopped = None, full
         if outputs.writer is not None:
             record = {"split": "train", "epoch": epoch, "step": state.position.step,
                       **{k: v for k, v in train_metrics.items() if k not in ("stopped", "steps")}}
@@ -455,6 +475,8 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
             log(f"epoch {epoch + 1}/{run.cfg.train.epochs}  train loss {train_metrics['loss']:.4f} (not validated: "
                 f"eval.every_epochs={run.cfg.eval.every_epochs}) | lr {train_metrics['lr']:.4g}, "
                 f"{train_metrics['seconds']:.1f}s")
+        if stopped is not None:
+            raise stopped
         return {"train": train_metrics, "val": {}, "epoch": epoch, "step": state.position.step}
     if watch:
         run.watchdog.beat()
@@ -473,7 +495,12 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     is_best = is_better(task, val_metrics[name], state.best_metric, name)
     if is_best:
         state.best_metric = val_metrics[name]
-    path = save_checkpoint(run, outputs.saver, is_best=is_best, audited=True)
+    stopped: DiskFull | None = None
+    try:
+        path = save_checkpoint(run, outputs.saver, is_best=is_best, audited=True,
+                               must=epoch + 1 >= run.cfg.train.epochs)
+    except DiskFull as full:  # the epoch's records and line first: its results are not lost with it
+        path, stopped = None, full
     step = state.position.step
     if outputs.writer is not None:
         for split, values in (("train", train_metrics), ("val", val_metrics)):
@@ -487,6 +514,8 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
         log(epoch_line(run, epoch, train_metrics, val_metrics))
         if val_metrics.get("target_reached"):
             log(target_line(run, val_metrics))
+    if stopped is not None:
+        raise stopped
     return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": step}
 
 
@@ -517,7 +546,7 @@ def bad_files_note(train: dict, val: dict) -> str:
 class Preempted(Exception):
     """Raised on every rank after a signal-triggered checkpoint; the CLI exits with EXIT_PREEMPTED."""
 
-    exit_code = 75  # EX_TEMPFAIL: not finished, try again
+    exit_code = outcome.EXIT_PREEMPTED  # EX_TEMPFAIL: not finished, try again
 
 
 class LostRank(JobStopped):
@@ -527,11 +556,12 @@ class LostRank(JobStopped):
 
 def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: int) -> None:
     position = run.state.position
-    path = save_checkpoint(run, outputs.saver)
-    log(f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
-        f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
-        f"Resume with the same command (checkpoint.resume=auto).")
-    raise Preempted()  # the loop's ``finally`` calls finish(): outputs closed, then every rank leaves together
+    path = save_checkpoint(run, outputs.saver, must=True)
+    line = (f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
+            f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
+            f"Resume with the same command (checkpoint.resume=auto).")
+    log(line)
+    raise Preempted(line.removeprefix("hvdtrain: "))  # the loop's ``finally`` calls finish(): outputs closed, then every rank leaves together
 
 
 def finish(run: Run, outputs: Iterable[Outputs]) -> None:
@@ -563,7 +593,7 @@ def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
     """Validation metrics of a saved model, on however many ranks this job has."""
     run = setup(cfg)
     try:
-        resume_and_broadcast(run, path)
+        resume(run, path)
         model = None
         if cfg.eval.ema:
             if run.ema is None or not run.ema.updates:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import math
 import multiprocessing
 import os
@@ -126,8 +127,13 @@ class Tracker:
     a pipe to the sender process, which talks to the trackers."""
 
     def __init__(self, cfg: Config, run_dir: Path, state: TrackingState, hosts: list[str],
-                 log: Callable[[str], None], names: list[str] | None = None, in_process: bool = False):
+                 log: Callable[[str], None], names: list[str] | None = None, in_process: bool = False,
+                 resume: dict[str, Any] | None = None):
         self.cfg, self.run_dir, self.state, self.log = cfg, run_dir, state, log
+        # What changed at this resume (run.resume_changes, with the step): a parameter of its own,
+        # resumed_at_step_N, so that every resume through a change stays on the tracker's record
+        # (MLflow keeps params, W&B merges config keys) beside the values the run now has.
+        self.resume = resume
         self.every = cfg.tracking.every_steps
         self.names = names or enabled(cfg)
         self.in_process = in_process  # the sender on a thread (tests with backends of their own)
@@ -283,6 +289,9 @@ class Tracker:
         skip_through = -1
         try:
             params = flatten(mask_values(to_dict(self.cfg)))  # W&B config, MLflow params: no password
+            if self.resume:
+                changes = {key: value for key, value in self.resume.items() if key != "step"}
+                params[f"resumed_at_step_{self.resume['step']}"] = json.dumps(mask_values(changes), sort_keys=True)
             env = environment(self.hosts)
             writer, reader = self.start_sender(params, env)
             skip_through = self.pump(reader, until="ready")[1]

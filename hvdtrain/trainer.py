@@ -1,105 +1,195 @@
-"""The static training loop: a fixed set of ranks from start to end (elastic.py has the other one).
+"""The one training loop, for a fixed set of ranks and for Horovod Elastic alike.
 
-    setup(cfg)                      builders: Horovod, task, loaders, model, optimizer, watchdog
-    resume_and_broadcast(run)       rank 0 loads a checkpoint; broadcast_state -> every rank
-    for epoch in epochs:
-        sampler.set_epoch(epoch, start=samples already consumed)
-        train_one_epoch                                                       (engine.py)
-            for step:
-                stop.agreed()?  ---- a stop signal on any rank -> stop_for_preemption:
-                                     checkpoint (every rank), raise Preempted (exit 75)
+    Trainer(cfg).fit()
+      setup(cfg)                       builders: Horovod, task, loaders, model, optimizer, watchdog
+      membership.start(run)            static: resume(run) -- rank 0 loads, every rank gets its state
+                                       elastic: rank 0 loads; the elastic state syncs the others
+      membership.run(train_epochs)     static: once; elastic: in Horovod Elastic's retry loop
+        train_epochs
+          membership.reconfigure       elastic: batch, steps and learning rate for the ranks there are
+          for each epoch:
+            sampler.set_epoch(epoch, start=samples already consumed)
+            for each step of engine.Epoch:                                   (engine.py)
                 forward, loss, backward (gradients allreduced while backward runs)
                 optimizer_step: synchronize, unscale, clip, step, update scale
-                after_step: progress line; mid-epoch checkpoint every
-                            checkpoint.every_steps; watchdog.beat(); timeline window
-            metric sums allreduced (exact, once per epoch)
-        end_epoch                                                             (run.py)
-            add_rank_report  (observe.py) every rank's step phases and CPU/GPU use; stragglers named
-            dist.average_buffers         BatchNorm statistics averaged over ranks
-            evaluate                     every validation sample once, sums allreduced
-            save_checkpoint              every rank's RNG and buffers gathered; rank 0 writes
-            metrics.jsonl, tensorboard, the epoch line (rank 0)
+              after_step, in this order:
+                the position; the progress line
+                the checkpoint policy: a mid-epoch checkpoint every checkpoint.every_steps, else
+                  the cross-rank audit every runtime.audit_every
+                membership.after_step          elastic: sample log, commit every commit_every_steps
+                the tracker's step point; watchdog.beat(); timeline window
+              a stop signal on any rank (agreed at the step boundary) ends the epoch
+            stopped? stop_for_preemption: checkpoint (every rank), raise Preempted (exit 75)
+            end_epoch                                                         (run.py)
+              add_rank_report, average_buffers, evaluate, save_checkpoint, metrics.jsonl, the line
+            membership.end_epoch               elastic: commit
 
-A failed collective (a peer died) becomes ``LostRank``, one line naming the lost rank; a hung peer
-is caught by the watchdog, which ends the process after ``dist.timeout_seconds`` without progress.
+The engine calls nothing back: the loop runs its steps one at a time and does the run's work in
+between. What differs between a static and an elastic run is the ``membership`` policy
+(``Static`` here, ``elastic.Elastic``): how the run starts, how the loop is run, what a step and
+an epoch commit, and how a lost rank ends the job. Every other runtime option (progress, audit,
+preemption, the tracker, the timeline) works the same way in both; the two that do not are
+refused in one line by the config (``checkpoint.every_steps`` in elastic runs: a commit is its
+checkpoint) or said at start (no watchdog in elastic runs: a hung collective fails after Gloo's
+timeout, which rolls the job back).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import dist
 from .config import Config
-from .engine import train_one_epoch
+from .engine import Epoch
+from .metrics import MetricSums
 from .preemption import StopRequest
-from .run import Outputs, Run, audit_ranks, end_epoch, finish, log, lost_rank, resume_and_broadcast, save_checkpoint, \
+from .run import Outputs, Run, audit_ranks, end_epoch, finish, log, lost_rank, resume, save_checkpoint, \
     setup, stop_for_preemption
-from .state import RunState
 
 
-def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
-    """Train for ``cfg.train.epochs`` epochs; returns the run and the last epoch's metrics (every rank)."""
-    run = setup(cfg)
-    resume_and_broadcast(run)
-    state, loaders, position = run.state, run.loaders, run.state.position
-    outputs = Outputs(run)
-    stop = StopRequest.for_config(cfg.runtime)
-    progress: Progress | None = None
+class Static:
+    """A fixed set of ranks from start to end: one run of the loop, one set of outputs; a failed
+    collective means a lost peer and ends the job in one line."""
 
-    def after_step(state: RunState) -> None:
+    broadcast = True
+
+    def check(self, cfg: Config) -> None:
+        pass
+
+    def start(self, run: Run) -> None:
+        self.outputs: list[Outputs] = []
+        resume(run)
+
+    def run(self, run: Run, train_epochs: Callable[[], None]) -> None:
+        try:
+            train_epochs()
+        except dist.HorovodInternalError as error:
+            raise lost_rank(run, error) from None
+
+    def reconfigure(self, run: Run) -> int:
+        return run.steps_per_epoch
+
+    def outputs_for_this_rank(self, run: Run) -> Outputs:
+        if not self.outputs:
+            self.outputs.append(Outputs(run))
+        return self.outputs[0]
+
+    def start_epoch(self, run: Run, full_steps: int) -> int:
+        """The steps of this epoch; the sample position the epoch's order starts from."""
+        position = run.state.position
         position.samples_in_epoch = position.step_in_epoch * run.global_batch
+        return full_steps
+
+    def advance(self, run: Run) -> None:
+        position = run.state.position
+        position.samples_in_epoch = position.step_in_epoch * run.global_batch
+
+    def after_step(self, run: Run, sums: MetricSums) -> None:
+        pass
+
+    def epoch_metrics(self, run: Run, sums: MetricSums, metrics: dict[str, Any]) -> None:
+        pass
+
+    def end_epoch(self) -> None:
+        pass
+
+
+class Trainer:
+    """Trains ``cfg.train.epochs`` epochs on the ranks of this job (see the module docstring)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        if cfg.elastic.enabled:
+            from .elastic import Elastic
+
+            self.membership: Any = Elastic()
+        else:
+            self.membership = Static()
+        self.last: dict[str, Any] = {}
+
+    def fit(self) -> tuple[Run, dict[str, Any]]:
+        """Returns the run and the last epoch's metrics (every rank)."""
+        cfg, membership = self.cfg, self.membership
+        membership.check(cfg)
+        run = self.run = setup(cfg)
+        membership.start(run)
+        self.stop = StopRequest.for_config(cfg.runtime)
+        if run.start_epoch >= cfg.train.epochs:
+            log(f"hvdtrain: nothing to do: {run.start_epoch} of {cfg.train.epochs} epochs are done "
+                f"(raise train.epochs to train further)")
+        if run.timeline is not None:
+            run.timeline.at_step(run.state.position.step)
+        if run.clock is not None:
+            run.clock.start()
+        try:
+            with self.stop.installed():
+                membership.run(run, self.train_epochs)
+        finally:
+            finish(run, membership.outputs)
+        return run, self.last
+
+    def train_epochs(self) -> None:
+        """The epochs from the run's position to the end (again after every elastic reset)."""
+        run, cfg, membership = self.run, self.cfg, self.membership
+        position, loaders = run.state.position, run.loaders
+        full_steps = membership.reconfigure(run)
+        out = membership.outputs_for_this_rank(run)
+        while position.epoch < cfg.train.epochs:
+            epoch = position.epoch
+            steps = membership.start_epoch(run, full_steps)
+            if loaders.train_sampler is not None:
+                loaders.train_sampler.set_epoch(epoch, start=position.samples_in_epoch)
+            progress = Progress(epoch, cfg.train.epochs, steps, first=position.step_in_epoch) \
+                if cfg.output.progress and dist.is_primary() else None
+            if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
+                run.watchdog.beat()
+            if run.stats is not None:
+                run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
+            sums = out.epoch_sums(run)
+            steps_of = Epoch(run.state, run.settings, loaders.train, steps, dist.allreduce_sum, sums)
+            if steps_of.remaining > 0 and self.stop.agreed():
+                steps_of.stop()
+            for _ in steps_of:
+                self.after_step(out, sums, progress)
+                if steps_of.remaining > 0 and self.stop.agreed():
+                    steps_of.stop()
+            train_metrics = steps_of.metrics()
+            run.watchdog.disarm()
+            if progress:
+                progress.close()
+            membership.epoch_metrics(run, sums, train_metrics)
+            if train_metrics["stopped"]:
+                stop_for_preemption(run, out, self.stop, steps)
+            self.last = end_epoch(run, out, epoch, train_metrics, watch=epoch > run.start_epoch)
+            membership.end_epoch()
+            if self.last["val"].get("target_reached"):
+                break  # train.target: every rank has the same global metrics, so all stop here
+
+    def after_step(self, out: Outputs, sums: MetricSums, progress: "Progress | None") -> None:
+        run, cfg = self.run, self.cfg
+        position = run.state.position
+        self.membership.advance(run)
         if progress:
             progress.update(run, position.step_in_epoch - 1)
+        # The checkpoint policy, in one place: a mid-epoch checkpoint (audited), else an audit alone.
         every = cfg.checkpoint.every_steps
         if every and position.step % every == 0 and position.step_in_epoch < run.steps_per_epoch:
             run.watchdog.disarm()
-            save_checkpoint(run, outputs.saver)
+            save_checkpoint(run, out.saver)
         elif cfg.runtime.audit_every and position.step % cfg.runtime.audit_every == 0:
             audit_ranks(run, f"global step {position.step}")
-        outputs.after_step(run, sums)
+        self.membership.after_step(run, sums)
+        out.after_step(run, sums)
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
         if run.timeline is not None:
             run.timeline.at_step(position.step)
 
-    last: dict[str, Any] = {}
-    if run.start_epoch >= cfg.train.epochs:
-        log(f"hvdtrain: nothing to do: {run.start_epoch} of {cfg.train.epochs} epochs are done "
-            f"(raise train.epochs to train further)")
-    if run.timeline is not None:
-        run.timeline.at_step(position.step)
-    if run.clock is not None:
-        run.clock.start()
-    try:
-        with stop.installed():
-            for epoch in range(run.start_epoch, cfg.train.epochs):
-                position.epoch = epoch
-                if loaders.train_sampler is not None:
-                    loaders.train_sampler.set_epoch(epoch, start=position.step_in_epoch * run.global_batch)
-                progress = Progress(epoch, cfg.train.epochs, run.steps_per_epoch, first=position.step_in_epoch) \
-                    if cfg.output.progress and dist.is_primary() else None
-                if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
-                    run.watchdog.beat()
-                if run.stats is not None:
-                    run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
-                sums = outputs.epoch_sums(run)
-                train_metrics = train_one_epoch(state, run.settings, loaders.train, run.steps_per_epoch,
-                                                dist.allreduce_sum, on_step=after_step, should_stop=stop.agreed,
-                                                sums=sums)
-                run.watchdog.disarm()
-                if progress:
-                    progress.close()
-                if train_metrics["stopped"]:
-                    stop_for_preemption(run, outputs, stop, run.steps_per_epoch)
-                last = end_epoch(run, outputs, epoch, train_metrics, watch=epoch > run.start_epoch)
-                if last["val"].get("target_reached"):
-                    break  # train.target_top1: every rank has the same global metrics, so all stop here
-    except dist.HorovodInternalError as error:
-        raise lost_rank(run, error) from None
-    finally:
-        finish(run, [outputs])
-    return run, last
+
+def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
+    """Train for ``cfg.train.epochs`` epochs; returns the run and the last epoch's metrics (every rank)."""
+    return Trainer(cfg).fit()
 
 
 class Progress:

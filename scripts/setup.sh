@@ -37,8 +37,13 @@
 #   HVDTRAIN_EXTRA_CA=FILE     a PEM bundle that apt and pip trust besides their own (a TLS-intercepting
 #                              proxy's CA); ignored when FILE does not exist (docker/Dockerfile passes
 #                              its optional build secret this way)
-#   HVDTRAIN_RUNTIME_ONLY=1    only the run-time Debian packages for an existing venv, then check it (the
-#                              image's runtime stage: the venv was built in the builder stage)
+#   HVDTRAIN_NO_COMPILE=1      install Horovod from a wheel only (HVDTRAIN_WHEELHOUSE or setup's cache):
+#                              no compilers, headers or CUDA toolkit are installed or needed, and setup
+#                              stops with one line when no wheel matches (the image's runtime stage, which
+#                              takes the wheel its builder stage made)
+#   HVDTRAIN_WHEEL_OUT=DIR     leave a copy of the Horovod wheel setup installed (built or reused) in
+#                              DIR/<key>/ with its SHA256SUMS, a wheelhouse for HVDTRAIN_WHEELHOUSE (the
+#                              image's builder stage hands it to the runtime stage this way)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -122,20 +127,16 @@ if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]] && check_build >/dev
 fi
 
 # --- Debian packages --------------------------------------------------------------------------
-# Run time: what a built venv needs to train and to be reached over ssh (the image's runtime stage).
+# Run time: what a built venv needs to train and to be reached over ssh; with HVDTRAIN_NO_COMPILE
+# that and the venv module are all (the image's runtime stage has no compilers).
 runtime_packages=(openmpi-bin openssh-client openssh-server procps iproute2 python3)
-if [[ -n ${HVDTRAIN_RUNTIME_ONLY:-} ]]; then
-    # The venv's python is a link to the system python3, which this stage has yet to install:
-    # look for the venv itself, then for a python that runs once the packages are in.
-    [[ -f $venv/pyvenv.cfg ]] || die "HVDTRAIN_RUNTIME_ONLY is set but there is no venv at $venv"
-    apt_install "${runtime_packages[@]}"
-    [[ -x $venv/bin/python ]] || die "the venv at $venv has no working python after installing ${runtime_packages[*]}"
-    out=$(check_build) || { echo "$out" >&2; die "horovodrun --check-build does not show PyTorch, MPI and Gloo"; }
-    echo "$out" | sed 's/^/[setup]   /'
-    log "done (run-time packages only): $venv"
-    exit 0
+no_compile=${HVDTRAIN_NO_COMPILE:-}
+wheel_out=${HVDTRAIN_WHEEL_OUT:-}
+if [[ -n $no_compile ]]; then
+    apt_install "${runtime_packages[@]}" python3-venv
+else
+    apt_install "${runtime_packages[@]}" libopenmpi-dev cmake g++ make patch python3-venv python3-dev
 fi
-apt_install "${runtime_packages[@]}" libopenmpi-dev cmake g++ make patch python3-venv python3-dev
 command -v mpirun >/dev/null || die "mpirun not found after installing openmpi-bin"
 
 # --- virtual environment ---------------------------------------------------------------------
@@ -209,9 +210,10 @@ EOF
         *) die "HVDTRAIN_GPU_OPS must be auto, nccl or none, not '$gpu_ops'" ;;
     esac
     if ((want_nccl)); then
-        [[ -n $cuda_home && -n $nccl_home ]] || die "HVDTRAIN_GPU_OPS=nccl needs CUDA_HOME and NCCL (HOROVOD_NCCL_HOME)"
+        [[ -n $no_compile || ( -n $cuda_home && -n $nccl_home ) ]] ||
+            die "HVDTRAIN_GPU_OPS=nccl needs CUDA_HOME and NCCL (HOROVOD_NCCL_HOME)"
         # The wheel ships only libnccl.so.2; CMake's FindNCCL looks for libnccl.so.
-        [[ -e $nccl_home/lib/libnccl.so || ! -e $nccl_home/lib/libnccl.so.2 ]] || ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
+        [[ -z $nccl_home || -e $nccl_home/lib/libnccl.so || ! -e $nccl_home/lib/libnccl.so.2 ]] || ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
         build_env+=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=$nccl_home HOROVOD_NCCL_LINK=SHARED
                     CUDA_HOME=$cuda_home CUDAToolkit_ROOT=$cuda_home HOROVOD_CUDA_HOME=$cuda_home
                     PATH=$cuda_home/bin:$PATH)
@@ -252,9 +254,14 @@ EOF
     if [[ -n $wheel ]]; then
         install_wheel "$wheel"
         if ! check_build >/dev/null 2>&1; then
+            [[ -z $no_compile ]] || die "the Horovod wheel $candidate does not pass horovodrun --check-build here (HVDTRAIN_NO_COMPILE is set: unset it to compile Horovod)"
             log "that wheel does not pass horovodrun --check-build here: compiling instead"
             wheel=""
         fi
+    fi
+    if [[ -z $wheel && -n $no_compile ]]; then
+        rm -rf "$checked_dir"
+        die "no Horovod wheel for $wheel_key in ${HVDTRAIN_WHEELHOUSE:-(no HVDTRAIN_WHEELHOUSE)} or $cache/wheels, and HVDTRAIN_NO_COMPILE is set: build one with plain setup (HVDTRAIN_WHEEL_OUT=DIR keeps it), or unset HVDTRAIN_NO_COMPILE"
     fi
     if [[ -z $wheel ]]; then
         mkdir -p "$cache"
@@ -279,9 +286,18 @@ EOF
         # The record verified_wheel checks a wheel of this cache against (a damaged copy).
         (cd "$wheel_dir.partial" && sha256sum horovod-"$horovod_version"-*.whl >SHA256SUMS)
         rm -rf "$src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
-        install_wheel "$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)"
+        wheel=$(ls "$wheel_dir"/horovod-"$horovod_version"-*.whl)
+        install_wheel "$wheel"
+    fi
+    if [[ -n $wheel_out ]]; then
+        mkdir -p "$wheel_out/$wheel_key"
+        cp -- "$wheel" "$wheel_out/$wheel_key/"
+        (cd "$wheel_out/$wheel_key" && sha256sum -- "$(basename -- "$wheel")" >SHA256SUMS)
+        log "kept the Horovod wheel in $wheel_out/$wheel_key"
     fi
     rm -rf "$checked_dir"
+elif [[ -n $wheel_out ]]; then
+    die "HVDTRAIN_WHEEL_OUT is set but Horovod was already installed in $venv: use a new HVDTRAIN_VENV"
 fi
 
 if ! out=$(check_build); then

@@ -41,12 +41,17 @@ class DataEnv:
     # Rank 0's value of an object, on every rank; None where collectives are not allowed (an elastic
     # worker joining a running job must not call one before the state synchronization).
     broadcast_object: Callable[[Any], Any] | None = None
+    # Every rank's tensor concatenated, on every rank (the facade's ``dist.allgather``); None where
+    # collectives are not allowed. A large file index travels this way (data/file_index.py).
+    allgather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Run a block on one process per host first (e.g. generating a dataset), the others after it.
     local_rank_zero_first: Callable[[], ContextManager] = contextlib.nullcontext
     # Keep the last partial batch (elastic runs re-split an epoch's remaining samples).
     keep_partial_batches: bool = False
     # The training device (a task may prepare batches for it, e.g. decode images there).
     device: torch.device = torch.device("cpu")
+    # Ranks on this host (their loader workers share one host's cores and memory).
+    ranks_on_host: int = 1
 
 
 class Task:
@@ -108,6 +113,11 @@ class Task:
     def summarize(self, sums: torch.Tensor) -> dict[str, float]:
         """Global sums -> metrics; must include ``loss`` and ``samples``."""
         raise NotImplementedError
+
+    def reference_metrics(self) -> dict[str, Any]:
+        """Values to compare with, computed once from the data (e.g. a baseline's error on the
+        validation split, the split itself): added to every validation record. Default: none."""
+        return {}
 
     def describe(self, loaders: Loaders) -> str:
         """The start-up line about the model and the data."""

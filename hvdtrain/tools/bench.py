@@ -2,7 +2,7 @@
 
 Synthetic batches of the configured size go through ``trainer.setup`` (the same Horovod
 DistributedOptimizer, compression, AMP/GradScaler and gradient accumulation) and
-``engine.train_one_epoch`` (the same step): nothing is copied, so what is measured is what
+``engine.Epoch`` (the same step): nothing is copied, so what is measured is what
 ``python -m hvdtrain`` runs, minus the input pipeline. Warm-up steps are run and thrown away
 (allocator, cuDNN autotuning, torch.compile, Horovod's response cache); then ``--repeats`` timed
 runs of ``--steps`` optimizer steps each give a mean and a 95% interval per rank and for the job.
@@ -70,12 +70,12 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     from .. import dist
     from ..builders import compression_for
     from ..data.synthetic import SyntheticBatches
-    from ..engine import train_one_epoch
+    from ..engine import Epoch
     from ..phases import PHASES, epoch_phases
-    from ..run import audit_ranks, resume_and_broadcast, setup
+    from ..run import audit_ranks, resume, setup
 
     run = setup(cfg)
-    resume_and_broadcast(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
+    resume(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
     state, settings = run.state, run.settings
     passes = settings.backward_passes_per_step
     # With ema.decay > 0 the EMA update runs after every optimizer step, as in training; its own time
@@ -104,16 +104,16 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
 
     audit_every = cfg.runtime.audit_every if cfg.runtime.audit != "off" else 0
 
-    def audit_step(state_: Any) -> None:
-        # runtime.audit_every: the cross-rank audit inside the timed steps, as training runs it.
-        if audit_every and state_.position.step % audit_every == 0:
-            audit_ranks(run, f"global step {state_.position.step}")
-
     def timed_epoch(batches, count: int) -> dict[str, Any]:
-        # train_one_epoch runs from the position in the epoch up to ``count``: every call starts
-        # from step 0, or the warm-up would eat the first repeat and later repeats run nothing.
+        # An Epoch runs from the position in the epoch up to ``count``: every call starts from
+        # step 0, or the warm-up would eat the first repeat and later repeats run nothing.
         state.position.start_epoch(0)
-        metrics = train_one_epoch(state, settings, batches, count, dist.allreduce_sum, on_step=audit_step)
+        epoch = Epoch(state, settings, batches, count, dist.allreduce_sum)
+        for _ in epoch:
+            # runtime.audit_every: the cross-rank audit inside the timed steps, as training runs it.
+            if audit_every and state.position.step % audit_every == 0:
+                audit_ranks(run, f"global step {state.position.step}")
+        metrics = epoch.metrics()
         if metrics["steps"] != count:
             raise RuntimeError(f"bench: {metrics['steps']} of {count} steps ran")
         return metrics
@@ -127,7 +127,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     for _ in range(repeats):
         synchronize(settings.device)
         start = time.perf_counter()
-        # train_one_epoch ends with a cross-rank reduction of its metrics, so every rank's
+        # Epoch.metrics() is a cross-rank reduction of its metrics, so every rank's
         # clock stops after the last rank's last step.
         metrics = timed_epoch(timed, steps)
         synchronize(settings.device)

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from hvdtrain import dist, launcher
-from hvdtrain.cli import run_training, train_parser
+from hvdtrain.api import run_training
+from hvdtrain.cli import train_parser
 from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
 from hvdtrain.run import Preempted

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from hvdtrain import dist
-from hvdtrain.cli import run_training, train_parser
+from hvdtrain.api import run_training
+from hvdtrain.cli import train_parser
 from hvdtrain.config import load_config
 from hvdtrain.model import unwrap_state_dict
 

@@ -178,6 +178,11 @@ def test_mf_learns_well_below_the_global_mean_on_the_built_in_data(tmp_path):
     val = ranks[0]["metrics"]["val"]
     assert val["samples"] == 610
     assert val["rmse"] <= 0.85 * val["baseline_rmse"], val
+    # The baseline a matrix factorization must beat, next to the global mean, and the split used.
+    assert val["bias_baseline_rmse"] < val["baseline_rmse"] and val["bias_baseline_mae"] < val["baseline_mae"], val
+    assert (val["val_split"], val["val_split_seed"]) == ("leave_last_out", 0) and "val_split_fraction" not in val
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bias_baseline_rmse"] for r in records if r["split"] == "val"] == [val["bias_baseline_rmse"]] * 3
 
 
 def test_ncf_beats_popularity_by_a_clear_margin(tmp_path):

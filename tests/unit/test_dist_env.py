@@ -7,43 +7,44 @@ import os
 import pytest
 import torch
 
-from hvdtrain import builders, dist
+from hvdtrain import builders, dist, horovod_env
+from hvdtrain.buckets import gradient_buckets
 from hvdtrain.config import load_config
 from hvdtrain.config import ConfigError
 
 
 def test_cpu_defaults_fill_only_unset_variables(monkeypatch):
-    monkeypatch.delenv(dist.GLOO_RENDEZVOUS, raising=False)
+    monkeypatch.delenv(horovod_env.GLOO_RENDEZVOUS, raising=False)
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
-    effective = dist.apply_env_defaults(gpu=False)
+    effective = horovod_env.apply_env_defaults(gpu=False)
     assert effective == {"HOROVOD_CYCLE_TIME": "3", "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 def test_the_gloo_controller_on_cpu_starts_cycles_when_tensors_arrive(monkeypatch):
     monkeypatch.delenv("HOROVOD_CYCLE_WAKE_ON_ENQUEUE", raising=False)
-    monkeypatch.delenv(dist.GLOO_RENDEZVOUS, raising=False)
-    assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in dist.apply_env_defaults(gpu=False)   # MPI controller
-    monkeypatch.setenv(dist.GLOO_RENDEZVOUS, "127.0.0.1")
-    assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in dist.apply_env_defaults(gpu=True)
-    assert dist.apply_env_defaults(gpu=False)["HOROVOD_CYCLE_WAKE_ON_ENQUEUE"] == "1"
+    monkeypatch.delenv(horovod_env.GLOO_RENDEZVOUS, raising=False)
+    assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in horovod_env.apply_env_defaults(gpu=False)   # MPI controller
+    monkeypatch.setenv(horovod_env.GLOO_RENDEZVOUS, "127.0.0.1")
+    assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in horovod_env.apply_env_defaults(gpu=True)
+    assert horovod_env.apply_env_defaults(gpu=False)["HOROVOD_CYCLE_WAKE_ON_ENQUEUE"] == "1"
     monkeypatch.setenv("HOROVOD_CYCLE_WAKE_ON_ENQUEUE", "0")
-    assert dist.apply_env_defaults(gpu=False)["HOROVOD_CYCLE_WAKE_ON_ENQUEUE"] == "0"
+    assert horovod_env.apply_env_defaults(gpu=False)["HOROVOD_CYCLE_WAKE_ON_ENQUEUE"] == "0"
 
 
 def test_gpu_keeps_horovods_own_defaults(monkeypatch):
     monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
-    dist.apply_env_defaults(gpu=True)
+    horovod_env.apply_env_defaults(gpu=True)
     assert "HOROVOD_CYCLE_TIME" not in os.environ
     assert "OMPI_MCA_mpi_yield_when_idle" not in os.environ
 
 
 def test_elastic_runs_keep_horovods_cycle_time(monkeypatch):
-    monkeypatch.delenv(dist.GLOO_RENDEZVOUS, raising=False)
+    monkeypatch.delenv(horovod_env.GLOO_RENDEZVOUS, raising=False)
     monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
-    effective = dist.apply_env_defaults(gpu=False, elastic=True)
+    effective = horovod_env.apply_env_defaults(gpu=False, elastic=True)
     assert effective == {"OMPI_MCA_mpi_yield_when_idle": "1"}
     assert "HOROVOD_CYCLE_TIME" not in os.environ
 
@@ -51,22 +52,22 @@ def test_elastic_runs_keep_horovods_cycle_time(monkeypatch):
 def test_elastic_run_refuses_a_fixed_cycle_time_in_one_line(monkeypatch):
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
     with pytest.raises(ConfigError) as error:
-        dist.check_elastic_env()
+        horovod_env.check_elastic_env()
     message = str(error.value)
     assert "\n" not in message and "HOROVOD_CYCLE_TIME=5" in message and "unset HOROVOD_CYCLE_TIME" in message
     monkeypatch.delenv("HOROVOD_CYCLE_TIME")
-    dist.check_elastic_env()
+    horovod_env.check_elastic_env()
 
 
 def test_stall_inspector_settings_become_horovods_variables():
-    assert dist.stall_inspector_env(30, 120) == {"HOROVOD_STALL_CHECK_DISABLE": "0",
+    assert horovod_env.stall_inspector_env(30, 120) == {"HOROVOD_STALL_CHECK_DISABLE": "0",
                                                  "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
                                                  "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120"}
-    assert dist.stall_inspector_env(0, 0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    assert horovod_env.stall_inspector_env(0, 0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
 
 
 def test_an_unresolvable_hostname_stops_a_gloo_rank_before_horovod_starts(monkeypatch):
-    monkeypatch.setenv(dist.GLOO_RENDEZVOUS, "127.0.0.1")
+    monkeypatch.setenv(horovod_env.GLOO_RENDEZVOUS, "127.0.0.1")
     monkeypatch.setattr(dist.launcher.socket, "gethostname", lambda: "no-such-host.invalid")
     monkeypatch.setattr(dist.hvd, "is_initialized", lambda: False)
     monkeypatch.setattr(dist.hvd, "init", lambda: pytest.fail("hvd.init() ran"))
@@ -79,10 +80,10 @@ def test_gradient_buckets_follow_backward_order_and_skip_frozen_parameters():
     sizes = [1000, 10, 10, 250_000, 10, 10, 500_000, 2000]          # float32 elements
     parameters = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     parameters[1].requires_grad_(False)
-    buckets = dist.gradient_buckets(parameters, bucket_mb=1.0)      # 1 MB = 250,000 float32
+    buckets = gradient_buckets(parameters, bucket_mb=1.0)      # 1 MB = 250,000 float32
     assert [[p.numel() for p in bucket] for bucket in buckets] == [[2000, 500_000], [10, 10, 250_000], [10, 1000]]
     assert all(p.requires_grad for bucket in buckets for p in bucket)
-    one = dist.gradient_buckets(parameters, bucket_mb=100)
+    one = gradient_buckets(parameters, bucket_mb=100)
     assert len(one) == 1 and len(one[0]) == 7
 
 

@@ -5,6 +5,7 @@ tracker that hangs never holds a training step, and metrics.jsonl records map to
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 import time
 
@@ -138,3 +139,42 @@ def test_the_trackers_run_in_a_sender_process_and_the_training_process_never_imp
     # Points at steps 2, 4, 6: rank 0's mean loss over the two steps since the last point.
     assert [(m.step, m.value) for m in history] == [(2, 0.75), (4, 1.75), (6, 2.75)]
     assert [m.value for m in client.get_metric_history(run_id, "val/loss")] == [0.25]
+
+
+class Recording(tracking_sender.Backend):
+    """A tracker that keeps what it was given at start (the run's parameters)."""
+
+    name = "recording"
+    started: list[dict] = []
+
+    def __init__(self, cfg, run_dir):
+        pass
+
+    def start(self, ids, params, env):
+        Recording.started.append(params)
+        return {"id": "r1"}, "recording run r1"
+
+    def log(self, batch):
+        pass
+
+    def finish(self, status):
+        pass
+
+
+def test_a_resume_through_changed_settings_is_a_parameter_of_its_own(monkeypatch, tmp_path):
+    # checkpoint.resume=force over optim.base_lr, and a changed epoch count: both on the record,
+    # under the step the run resumed at, beside the run's new values (any password masked).
+    monkeypatch.setitem(tracking_sender.BACKENDS, "recording", Recording)
+    cfg = load_config("debug", ["optim.base_lr=0.2", "train.epochs=3"])
+    changes = {"step": 12, "forced": ["optim.base_lr"],
+               "changed": {"optim.base_lr": [0.1, 0.2], "train.epochs": [2, 3],
+                           "data.s3_endpoint": ["https://u:secret@old", "https://u:secret@new"]}}
+    for resume in (changes, None):
+        tracker = tracking.Tracker(cfg, tmp_path, tracking.TrackingState(), ["host"], lambda line: None,
+                                   names=["recording"], in_process=True, resume=resume)
+        tracker.close("finished")
+    forced, plain = Recording.started[-2:]
+    record = json.loads(forced.pop("resumed_at_step_12"))
+    assert record["forced"] == ["optim.base_lr"] and record["changed"]["train.epochs"] == [2, 3]
+    assert "secret" not in json.dumps(record)
+    assert forced == plain and forced["optim.base_lr"] == 0.2

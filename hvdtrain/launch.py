@@ -1,0 +1,248 @@
+"""``hvdtrain launch``: horovodrun whose exit code is the ranks' own, with the cause as its last line.
+
+``horovodrun`` returns 1 whatever code its ranks chose, and ends with a traceback of its own
+(horovod/horovod#3647): a scheduler, a retry loop or CI cannot tell "checkpointed, resume me" (75)
+from "bad configuration or data" (2) or a crash (1). ``hvdtrain launch`` takes horovodrun's
+arguments unchanged and runs it with a random token in the job's environment. Each rank, on
+leaving with a non-zero code, writes one record line with the token, its rank, its code and the
+one-line cause (``exit_record``). The launcher passes every other line through, keeps the records
+out of the output, drops horovodrun's own closing traceback, and ends with
+
+    hvdtrain launch: exit 75 (stopped after a checkpoint: run the same command to resume), rank 0: ...
+
+returning that code. The record travels in the ranks' output, which horovodrun brings back from
+every host, so it works across machines; the token keeps a line that only looks like a record
+(a file name in a warning, say) from being taken for one. ``mpirun`` and ``srun`` already return
+the ranks' codes and need none of this.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO
+
+TOKEN_VARIABLE = "HVDTRAIN_LAUNCH_TOKEN"
+RECORD = "hvdtrain-exit"
+MEANINGS = {
+    1: "a crash",
+    2: "bad configuration or data",
+    74: "a checkpoint did not fit on its disk: free space, then run the same command",
+    75: "stopped after a checkpoint: run the same command to resume",
+    130: "interrupted",
+}
+USAGE = """usage: python -m hvdtrain launch [horovodrun arguments] COMMAND ...
+
+Runs horovodrun with these arguments, unchanged, and returns the ranks' exit code instead of
+horovodrun's 1: 0 finished, 2 bad configuration or data, 75 stopped after a checkpoint (run the
+same command to resume), 1 a crash. The last line names the cause and the rank that gave it.
+An elastic job whose --host-discovery-script lists only this host starts at once (horovodrun alone
+waits for a second host unless --network-interfaces is given).
+
+example:
+  python -m hvdtrain launch -np 2 -H node0:1,node1:1 python -m hvdtrain --config cfg.yaml
+"""
+
+
+def exit_record(rank: int, code: int, cause: str) -> str | None:
+    """The line a rank writes as it leaves with ``code`` under ``hvdtrain launch`` (None otherwise)."""
+    token = os.environ.get(TOKEN_VARIABLE)
+    if not token or code == 0:
+        return None
+    return f"{RECORD} {token} " + json.dumps({"rank": rank, "code": code, "cause": cause.strip()[:2000]})
+
+
+class Output:
+    """Copies one of horovodrun's streams to ours, line by line, minus the ranks' exit records and
+    horovodrun's closing traceback; collects the records (shared by both streams' threads)."""
+
+    def __init__(self, token: str, records: list[dict], lock: threading.Lock):
+        self.marker = f"{RECORD} {token} "
+        self.records, self.lock = records, lock
+        self.launcher_error: list[str] = []  # horovodrun's own traceback, held back
+
+    def copy(self, source: IO[bytes], sink: IO[str]) -> None:
+        held: str | None = None
+        for raw in iter(source.readline, b""):
+            line = raw.decode(errors="replace")
+            if self.marker in line:
+                self.take_record(line)
+                continue
+            if self.launcher_error:
+                self.launcher_error.append(line)
+                continue
+            if held is not None:
+                # horovodrun's own traceback opens with its script's frame; a rank's opens with its own.
+                if re.search(r'File ".*/horovodrun", line', line):
+                    self.launcher_error = [held, line]
+                    held = None
+                    continue
+                sink.write(held)
+                held = None
+            if line.rstrip("\r\n") == "Traceback (most recent call last):":
+                held = line
+                continue
+            sink.write(line)
+            sink.flush()
+        if held is not None:
+            sink.write(held)
+        sink.flush()
+
+    def take_record(self, line: str) -> None:
+        try:
+            # raw_decode: mpirun's --tag-output may have put its tag after the JSON on the same line
+            record, _ = json.JSONDecoder().raw_decode(line.split(self.marker, 1)[1])
+            record = {"rank": int(record["rank"]), "code": int(record["code"]), "cause": str(record["cause"])}
+        except (ValueError, KeyError, TypeError, IndexError):
+            return
+        with self.lock:
+            self.records.append(record)
+
+
+def first_process(launcher_error: list[str]) -> tuple[int | None, int | None]:
+    """(rank, code) of the first failed process as horovodrun's closing error names it, if it does."""
+    text = "".join(launcher_error)
+    name = re.search(r"Process name:\s+(\d+)", text)
+    code = re.search(r"Exit code:\s+(-?\d+)", text) or re.search(r"mpirun failed with exit code (-?\d+)", text)
+    return (int(name.group(1)) if name else None), (int(code.group(1)) if code else None)
+
+
+def outcome(returncode: int, records: list[dict], launcher_error: list[str]) -> tuple[int, str]:
+    """The code to return and the last line to print."""
+    if returncode == 0 and not records:
+        return 0, ""
+    # The first rank that named a cause: ranks that only followed it (a lost peer) name none.
+    if not records and not launcher_error:  # mpirun's own code (horovodrun --mpi becomes mpirun), or a usage error
+        return returncode, f"hvdtrain launch: exit {returncode}: no rank recorded a cause: see the output above"
+    chosen = next((r for r in records if r["cause"]), records[0] if records else None)
+    if chosen is not None:
+        code = chosen["code"]
+        meaning = MEANINGS.get(code, f"exit code {code}")
+        return code, f"hvdtrain launch: exit {code} ({meaning}), rank {chosen['rank']}: {chosen['cause']}"
+    rank, code = first_process(launcher_error)
+    where = f"rank {rank}" if rank is not None else "a rank"
+    if code is not None and (code < 0 or 128 < code <= 128 + 64):  # ended by a signal (-N, or the shell's 128 + N)
+        number = -code if code < 0 else code - 128
+        name = signal.Signals(number).name if number in {s.value for s in signal.Signals} else f"signal {number}"
+        return 128 + number, (f"hvdtrain launch: exit {128 + number}: {where} was killed by {name} (out of memory, "
+                              f"or ended from outside): see its output above")
+    if code is not None and code > 0:  # a rank that left without a record: its code is still the job's
+        meaning = MEANINGS.get(code, f"exit code {code}")
+        return code, (f"hvdtrain launch: exit {code} ({meaning}), {where}: it recorded no cause "
+                      f"(a crash before hvdtrain started, or a program that is not hvdtrain's CLI): see its output above")
+    line = f"hvdtrain launch: exit 1 (a crash): {where} failed without an hvdtrain exit record: see its output above"
+    if launcher_error:
+        line += f"; horovodrun said: {launcher_error[-1].strip()[:300]}"
+    return 1, line
+
+
+class LaunchError(Exception):
+    """A job that would not start as asked: one line, exit 2."""
+
+
+def option_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value of the first of horovodrun's options ``names`` in ``argv`` (``--x V`` or ``--x=V``)."""
+    for index, word in enumerate(argv):
+        for name in names:
+            if word == name and index + 1 < len(argv):
+                return argv[index + 1]
+            if word.startswith(name + "="):
+                return word.split("=", 1)[1]
+    return None
+
+
+def is_this_host(host: str) -> bool:
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def one_host_elastic(argv: list[str]) -> tuple[list[str], str]:
+    """horovodrun's elastic driver waits for a second host unless a network interface is named
+    (``_get_min_start_hosts`` in horovod/runner/gloo_run.py): with a discovery script that lists one
+    host it waits silently for the elastic timeout (10 minutes). When that one host is this one, the
+    loopback interface is the right one and is named; another lone host stops the launch at once."""
+    script = option_value(argv, ("--host-discovery-script",))
+    if script is None or option_value(argv, ("--network-interfaces", "--network-interface")) is not None:
+        return argv, ""
+    try:
+        found = subprocess.run([script], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return argv, ""  # horovodrun runs it too, and says what is wrong with it
+    hosts = {line.strip().split(":")[0] for line in found.stdout.splitlines() if line.strip()}
+    if found.returncode != 0 or len(hosts) != 1:
+        return argv, ""
+    host = hosts.pop()
+    if is_this_host(host):
+        return (["--network-interfaces", "lo", *argv],
+                f"hvdtrain launch: the discovery script lists one host, this one ({host}): naming the loopback "
+                f"interface (--network-interfaces lo), without which horovodrun's elastic driver waits for a second host")
+    raise LaunchError(f"the discovery script {script} lists one host ({host}), and horovodrun's elastic driver waits "
+                      f"for a second one unless a network interface is named: add --network-interfaces NIC (the "
+                      f"interface {host} is reached by, e.g. eth0; hvdtrain doctor -H {host}:1 lists them)")
+
+
+def horovodrun() -> str:
+    beside = Path(sys.executable).with_name("horovodrun")
+    return str(beside) if beside.exists() else "horovodrun"
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    try:
+        argv, note = one_host_elastic(argv)
+    except LaunchError as error:
+        print(f"hvdtrain launch: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    token = secrets.token_hex(16)
+    env = {**os.environ, TOKEN_VARIABLE: token}
+    try:
+        job = subprocess.Popen([horovodrun(), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as error:
+        print(f"hvdtrain launch: error: cannot start horovodrun ({error}): is Horovod installed (make setup)?",
+              file=sys.stderr, flush=True)
+        return 2
+    # A stop signal sent to the launcher alone (a scheduler's) reaches horovodrun, which stops the ranks.
+    def forward(signum, _frame):
+        if job.poll() is None:
+            job.send_signal(signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    records: list[dict] = []
+    lock = threading.Lock()
+    out, err = Output(token, records, lock), Output(token, records, lock)
+    pumps = [threading.Thread(target=out.copy, args=(job.stdout, sys.stdout), daemon=True),
+             threading.Thread(target=err.copy, args=(job.stderr, sys.stderr), daemon=True)]
+    for pump in pumps:
+        pump.start()
+    try:
+        while True:
+            try:
+                returncode = job.wait()
+                break
+            except KeyboardInterrupt:  # Ctrl-C reached horovodrun too (one process group): wait for it
+                continue
+        for pump in pumps:
+            pump.join()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    code, line = outcome(returncode, records, out.launcher_error + err.launcher_error)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return code

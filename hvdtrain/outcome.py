@@ -1,0 +1,90 @@
+"""How a job ends, for the CLI and the Python API alike: the user's errors in one line once per
+job, one exit code per way a run stops, and the one-line cause that ``hvdtrain launch`` reports.
+
+    0   finished                      2   bad configuration, data, task or checkpoint
+    75  stopped after a checkpoint    1   a rank was lost, or a crash
+    74  a checkpoint that had to be written did not fit on its disk (EX_IOERR: not for a blind retry)
+    130 interrupted (Ctrl-C)
+
+Light on purpose (no torch, no Horovod): the CLI reports a usage error through it before either
+is imported.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+from . import launcher
+from .arguments import UsageError
+from .config import ConfigError
+from .data import DataError
+
+EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 74, 75, 130
+
+# This process's one-line cause of a non-zero exit, for its exit record (launch.py).
+_cause = [""]
+
+
+def note_cause(text: str) -> None:
+    _cause[0] = text
+
+
+def cause() -> str:
+    return _cause[0]
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix: reported in one line, without a traceback.
+
+    A CheckpointError can only come from hvdtrain.checkpoint once it is loaded; importing it just
+    to name the class would load torch on the way to a one-line usage error.
+    """
+    checkpoint = sys.modules.get(f"{__package__}.checkpoint")
+    return (UsageError, ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
+
+
+def report_error(error: Exception) -> int:
+    """One line on stderr, once per job; returns the exit code for bad input.
+
+    Errors that every rank hits alike (a bad config, a missing folder) would print once per rank;
+    ranks other than 0 wait a moment first, and the launcher ends them when rank 0 exits, so the
+    line from another rank only shows when that rank alone failed.
+    """
+    rank = launcher.rank()
+    if rank != 0:
+        time.sleep(3)
+        print(f"hvdtrain: error on rank {rank} ({socket.gethostname()}): {error}", file=sys.stderr, flush=True)
+    else:
+        print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
+    note_cause(f"error: {error}")
+    return EXIT_BAD_INPUT
+
+
+def stop_code(stop: Exception) -> int:
+    """The exit code of a run that stopped early (run.Preempted: 75; run.JobStopped, e.g. a lost
+    rank: its own code), after its line where this rank is the one to say it."""
+    if getattr(stop, "speak", False):
+        print(stop, file=sys.stderr, flush=True)
+    if getattr(stop, "speak", True):  # a preemption has no speaker: rank 0 logged it already
+        note_cause(str(stop))
+    return int(getattr(stop, "exit_code"))
+
+
+def crash_cause(error: BaseException) -> None:
+    """Note an unexpected exception's first line as the cause; ranks other than 0 then pause, so
+    that a traceback every rank hits alike shows once (the launcher ends them when rank 0 exits)."""
+    note_cause(f"{type(error).__name__}: {error}".splitlines()[0])
+    if launcher.size() > 1 and launcher.rank() != 0:
+        time.sleep(3)
+
+
+def write_exit_record(code: int) -> None:
+    """This rank's exit record for ``hvdtrain launch`` (nothing outside it, or for code 0)."""
+    from .launch import exit_record
+
+    record = exit_record(launcher.rank(), code, cause())
+    if record:  # one write: a launcher that tags output per write keeps it on one line
+        sys.stderr.write(record + "\n")
+        sys.stderr.flush()
