@@ -86,18 +86,15 @@ def atomic_save(payload: dict[str, Any], path: Path) -> None:
             try:
                 torch.save(payload, handle)
             except RuntimeError as error:
-                # PyTorch's archive writer reports a failed write as "unexpected pos ...": see
-                # whether the file system is full (an fsync or a one-byte write then says so).
-                handle.flush()
-                os.fsync(handle.fileno())
-                raise OSError(errno.EIO, f"writing {path} failed: {str(error).splitlines()[0][:200]}") from error
+                # PyTorch's archive writer reports a write that failed for space as "unexpected
+                # pos ...": a file system left (nearly) full by it says which it was.
+                if shutil.disk_usage(path.parent).free < 2**20:
+                    raise OSError(errno.ENOSPC, f"writing {path} failed: {str(error).splitlines()[0][:200]}") \
+                        from error
+                raise
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(scratch, path)
-    except OSError as error:
-        if error.errno not in NO_SPACE and shutil.disk_usage(path.parent).free < 2**20:
-            raise OSError(errno.ENOSPC, str(error)) from error
-        raise
     finally:
         if scratch.exists():
             scratch.unlink()
