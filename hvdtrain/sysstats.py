@@ -12,7 +12,7 @@ Without NVML, or with no GPU index, the GPU fields are left out silently: a CPU-
 
     with StatsSampler(interval=1.0, gpu_index=local_rank) as stats:
         for epoch in ...:
-            train_one_epoch(...)
+            engine.Epoch(...)
             record.update(stats.take_epoch())
 """
 

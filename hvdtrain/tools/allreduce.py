@@ -252,7 +252,9 @@ def print_bandwidth(results: list[dict]) -> str:
           f"(nccl-tests: busbw = size/time x 2(n-1)/n)")
     print(f"{'size':>10}  " + "  ".join(f"{name:>12}" for name in table))
     for i, size in enumerate(sizes):
-        print(f"{human_size(size):>10}  " + "  ".join(f"{table[name][i] / scale:>12.3f}" for name in table))
+        # Significant digits, not decimals: a small size measured on a loaded host (0.3 MB/s in a GB/s
+        # table) must not print as 0.000.
+        print(f"{human_size(size):>10}  " + "  ".join(f"{table[name][i] / scale:>12.4g}" for name in table))
     fastest = max(table, key=lambda name: table[name][-1])
     print(f"fastest at {human_size(sizes[-1])}: {fastest} ({table[fastest][-1] / scale:.3f} {unit})")
     return fastest
