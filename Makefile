@@ -1,6 +1,8 @@
 # hvdtrain: `make demo` trains on the built-in dataset with 2 ranks; `make test` runs the suite.
 # Both run `make setup` first, which installs what is missing and takes seconds once done.
-VENV ?= .venv
+# VENV=/opt/hvdtrain PYTHON=/usr/bin/python3: a shared install, see docs/launching.md#a-shared-install
+VENV ?= $(if $(HVDTRAIN_VENV),$(HVDTRAIN_VENV),.venv)
+PYTHON ?=
 PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
@@ -10,7 +12,7 @@ EXTRAS ?=
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (setup.py extras_require, pinned).
 setup:
-	@EXTRAS="$(EXTRAS)" bash scripts/setup.sh
+	@EXTRAS="$(EXTRAS)" HVDTRAIN_VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" bash scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \

@@ -21,11 +21,17 @@ decoding). Then, each in a fresh process:
   server included); marginal, the same for each worker beyond the next smaller count (the fork
   server left out); and each worker's private memory (which counts list pages only it mapped);
 * sampler: ``ShardedSampler`` of ``--ranks`` ranks, rank 1: the epoch start (set_epoch, iter(),
-  the first sample), the peak resident memory it added, and the whole epoch's samples counted.
+  the first sample) of the first epoch (its share drawn then) and of the next (drawn ahead on a
+  thread during the first, waited for if the loop over bare indices ended sooner), the resident
+  memory each start added, the peak over each epoch above the process before the sampler (the
+  draw ahead included), the whole epoch's samples counted, and the share's draw alone ("draw s").
 
     python benchmarks/data_scale.py                                   # 10k, 128k, 1.28M, 14.2M; workers 0,4,8
     python benchmarks/data_scale.py --sizes 1k,10k --workers 0,2 --runs 1 --no-broadcast
     python benchmarks/data_scale.py --sizes 1.28M --keep /dev/shm/scale   # keeps the folder for the next run
+    python benchmarks/data_scale.py --sizes 1.28M,14.2M --sampler-only --runs 3   # the sampler rows alone
+    git show HEAD~1:hvdtrain/data/sampler.py > /tmp/sampler_before.py             # ... against an older sampler,
+    python benchmarks/data_scale.py --sizes 14.2M --sampler-only --sampler-before /tmp/sampler_before.py  # alternated
 
 Prints a table and, per row, ``data_scale: {json}``; ``--json FILE`` writes all rows. Timings are
 given as min-max over ``--runs`` runs. Needs free memory for the folder's inodes (about 1 GB at
@@ -48,6 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from proc_memory import PssPeak, descendants, memory  # noqa: E402  (benchmarks/, beside this script)
+from sampler_epoch import child_sampler, measure_sampler, sampler_fields  # noqa: E402  (the same)
 
 BIN = Path(sys.executable).parent
 MIB = 1 << 20
@@ -222,31 +229,6 @@ def child_loader(args: argparse.Namespace) -> dict:
             "worker_private": sum(private) / len(private) if private else 0}
 
 
-def child_sampler(args: argparse.Namespace) -> dict:
-    from hvdtrain.data.sampler import ShardedSampler
-
-    def status(field: str) -> int:
-        with open("/proc/self/status") as handle:
-            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field + ":"))
-
-    sampler = ShardedSampler(args.files, args.ranks, 1, seed=0)
-    starts, added = [], []
-    for epoch in (1, 2):
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # resets the peak resident size (VmHWM) to the current one
-        resident = status("VmRSS")
-        start = time.perf_counter()
-        sampler.set_epoch(epoch)
-        samples = iter(sampler)
-        first = next(samples)
-        starts.append(time.perf_counter() - start)
-        added.append(status("VmHWM") - resident)
-        drawn = 1 + sum(1 for _ in samples)
-        assert drawn == len(sampler) and len(first) == 2, (drawn, len(sampler))
-        del samples
-    return {"start_s": starts, "added": added, "drawn": drawn}
-
-
 CHILDREN = {"index": child_index, "broadcast": child_broadcast, "loader": child_loader, "sampler": child_sampler}
 
 
@@ -305,7 +287,8 @@ def measure_size(n: int, args: argparse.Namespace, work: Path) -> list[dict]:
                "val_files": index["val_files"], "build_s": built_s, "scan_s": index.get("scan_s"), "cache_write_s": write_s,
                "cache_bytes": index["cache_bytes"], "load_s": loads, "broadcast_mapped_s": bcast["mapped"],
                "broadcast_sent_s": bcast["sent"], "sampler_start_s": [s for r in samplers for s in r["start_s"]],
-               "sampler_added": [a for r in samplers for a in r["added"]], "sampler_drawn": samplers[-1]["drawn"]}
+               "sampler_added": [a for r in samplers for a in r["added"]], "sampler_drawn": samplers[-1]["drawn"],
+               **sampler_fields(samplers)}
         if workers is not None:
             runs = loaders[workers]
             zero = loaders.get(0)
@@ -332,7 +315,8 @@ def measure_size(n: int, args: argparse.Namespace, work: Path) -> list[dict]:
 
 
 COLUMNS = ["N", "workers", "PSS peak MiB", "own PSS MiB", "list PSS MiB", "per worker MiB", "marginal MiB", "worker private MiB", "scan s", "cache MB", "load s",
-           "bcast mapped s", "bcast sent s", "loader iter s", "first batch s", "sampler start s", "sampler MiB"]
+           "bcast mapped s", "bcast sent s", "loader iter s", "first batch s", "sampler draw s", "sampler first start s",
+           "sampler next start s", "sampler MiB at start", "sampler peak MiB"]
 
 
 def cells(row: dict) -> list[str]:
@@ -342,11 +326,12 @@ def cells(row: dict) -> list[str]:
             return "-"
         return span(value if isinstance(value, list) else [value], scale, digits)
 
-    return [f"{row['n']:,}" + (" (synthetic)" if row["synthetic"] else ""), "-" if row["workers"] is None else str(row["workers"]),
+    return [f"{row['n']:,}" + (" (synthetic)" if row["synthetic"] else "") + (f" ({row['version']})" if row.get("version") else ""), "-" if row["workers"] is None else str(row["workers"]),
             opt("pss_peak", 1 / MIB, 0), opt("own", 1 / MIB, 0), opt("list", 1 / MIB, 1), opt("per_worker", 1 / MIB, 1), opt("marginal", 1 / MIB, 1), opt("worker_private", 1 / MIB, 1),
             opt("scan_s"), opt("cache_bytes", 1e-6, 1), opt("load_s", 1, 3), opt("broadcast_mapped_s"),
-            opt("broadcast_sent_s"), opt("loader_iter_s"), opt("first_batch_s"), opt("sampler_start_s", 1, 3),
-            opt("sampler_added", 1 / MIB, 0)]
+            opt("broadcast_sent_s"), opt("loader_iter_s"), opt("first_batch_s"), opt("sampler_draw_s", 1, 3),
+            opt("sampler_first_start_s", 1, 3), opt("sampler_next_start_s", 1, 3), opt("sampler_added", 1 / MIB, 0),
+            opt("sampler_peak", 1 / MIB, 0)]
 
 
 def main() -> None:
@@ -357,6 +342,9 @@ def main() -> None:
     parser.add_argument("--loader-max", default="14.2M", help="no loader rows above this size")
     parser.add_argument("--broadcast-max", default="14.2M", help="no broadcast above this size")
     parser.add_argument("--no-broadcast", dest="broadcast", action="store_false", help="skip the 2-rank launches")
+    parser.add_argument("--sampler-only", action="store_true", help="only the sampler rows (no folder, no index)")
+    parser.add_argument("--sampler-before", default="", help="with --sampler-only: a file holding another version of "
+                        "hvdtrain/data/sampler.py (git show REV:hvdtrain/data/sampler.py > FILE), run alternately")
     parser.add_argument("--ranks", type=int, default=8, help="ranks the sampler's epoch is split over")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batches", type=int, default=40, help="batches each loader run draws")
@@ -371,7 +359,10 @@ def main() -> None:
     parser.add_argument("--synthetic", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-scan", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--files", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--sampler-file", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sampler_before and not args.sampler_only:
+        parser.error("--sampler-before compares samplers alone: add --sampler-only")
     if args.child:
         args.workers = int(args.workers.split(",")[0])
         print("child_result: " + json.dumps(CHILDREN[args.child](args)), flush=True)
@@ -383,11 +374,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hvdtrain-data-scale-", dir=args.root))
     rows = []
     try:
-        print(" | ".join(COLUMNS), flush=True)
+        shown = [0, *range(len(COLUMNS) - 5, len(COLUMNS))] if args.sampler_only else range(len(COLUMNS))
+        print(" | ".join(COLUMNS[i] for i in shown), flush=True)
         for n in sizes:
-            for row in measure_size(n, args, work):
+            for row in (measure_sampler(n, args, run_child) if args.sampler_only else measure_size(n, args, work)):
                 rows.append(row)
-                print(" | ".join(cells(row)), flush=True)
+                print(" | ".join(cells(row)[i] for i in shown), flush=True)
                 print("data_scale: " + json.dumps(row), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -3,6 +3,7 @@
 The public Python API, for a script run as ``horovodrun -np 2 python my_train.py``::
 
     import hvdtrain
+    result = hvdtrain.fit_model(model, optimizer, train_set, val_set)  # your own objects (simple.py)
     result = hvdtrain.fit(MyTask, {"train": {"epochs": 3}})          # or a YAML path, or key=value
     metrics = hvdtrain.evaluate("runs/x/checkpoints/last.pt")
 
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "fit": "hvdtrain.api", "evaluate": "hvdtrain.api", "FitResult": "hvdtrain.api",
+    "fit_model": "hvdtrain.simple", "ModelTask": "hvdtrain.simple",
     "Config": "hvdtrain.config", "ConfigError": "hvdtrain.config", "load_config": "hvdtrain.config",
     "Task": "hvdtrain.tasks", "DataEnv": "hvdtrain.tasks",
     "Loaders": "hvdtrain.data.loaders", "loader_kwargs": "hvdtrain.data.loaders",

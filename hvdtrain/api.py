@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 from . import outcome
 from .arguments import require_data_choice
 from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, load_config, to_dict, validate
+from .run_folder import resolve_output_dir
 
 if TYPE_CHECKING:  # torch and the tasks load only when a run starts
     import torch
@@ -54,10 +55,11 @@ class FitResult:
 def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), task: TaskSource = None) -> Config:
     """Defaults < ``config`` (a YAML path or shipped config name, a nested or dotted dict, a list of
     ``key=value``, or a Config) < ``overrides`` < ``task``; validated."""
+    # Validated once, at the end: the task's section is known only once ``task`` has had its say.
     if isinstance(config, Config):
-        cfg = from_dict(to_dict(config))
+        cfg = from_dict(to_dict(config), check=False)
     elif isinstance(config, (str, Path)):
-        cfg = load_config(str(config))
+        cfg = load_config(str(config), check=False)
     elif isinstance(config, Mapping):
         cfg = Config()
         apply_mapping(cfg, dict(config), source="fit(config=...)")
@@ -72,6 +74,7 @@ def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), tas
         apply_override(cfg, override)
     if task is not None:
         cfg.task = task if isinstance(task, str) else provide_task(task)
+    cfg.output.dir = resolve_output_dir(cfg.output.dir)
     validate(cfg)
     return cfg
 
@@ -104,6 +107,13 @@ def fit(task: TaskSource = None, config: ConfigSource = None, overrides: Iterabl
     with one_line_errors():
         cfg = build_config(config, overrides, task)
         require_data_choice(None if config is None else "config", cfg)
+    return fit_config(cfg)
+
+
+def fit_config(cfg: Config) -> FitResult:
+    """``fit`` of a config already built by ``build_config`` (its task handed over): the short
+    path (simple.py) builds its own."""
+    with one_line_errors():
         check_task(cfg)
         code, run, last = train(cfg)
         if code:
@@ -170,7 +180,7 @@ def checkpoint_config(path: Path, overrides: Iterable[str] | Mapping[str, Any] =
     from . import checkpoint as checkpoints  # torch: after the arguments are in
     from .tasks import checkpoint_task
 
-    cfg = from_dict(checkpoints.load(path)["config"])
+    cfg = from_dict(checkpoints.load(path)["config"], stored=True)
     recorded = cfg.task
     if isinstance(overrides, Mapping):
         named_here = "task" in overrides

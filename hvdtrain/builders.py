@@ -12,7 +12,7 @@ import os
 import torch
 
 from . import dist
-from .config import Config
+from .config import Config, ConfigError, TrainConfig
 from .data import DataError
 from .data.loaders import Loaders
 from .finetune import apply_freeze
@@ -61,6 +61,7 @@ def build_peers(elastic: bool) -> tuple[LivenessService, list[Peer]]:
 def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loaders, int, int]:
     """The task's loaders; the steps per epoch and the global batch they give."""
     elastic = cfg.elastic.enabled
+    resolve_batch_size(cfg, dist.size())
     env = DataEnv(rank=dist.rank(), world_size=dist.size(), pin_memory=device.type == "cuda",
                   broadcast_object=None if elastic else dist.broadcast_object,
                   allgather=None if elastic else dist.allgather,
@@ -77,6 +78,28 @@ def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loader
                         f"{dist.size()} ranks x {cfg.train.batch_size} samples x {passes} passes "
                         f"(lower train.batch_size or use fewer ranks)")
     return loaders, steps_per_epoch, cfg.train.batch_size * dist.size() * passes
+
+
+def resolve_batch_size(cfg: Config, world_size: int) -> None:
+    """``train.global_batch_size`` -> ``train.batch_size`` for ``world_size`` ranks (in place, before the
+    task reads it). An explicit ``train.batch_size`` that disagrees, or a global batch the ranks and
+    passes do not divide, stops with one line. (An explicit batch size equal to the default cannot be
+    told from the default, and yields to the global one.)"""
+    wanted, passes = cfg.train.global_batch_size, cfg.train.backward_passes_per_step
+    if not wanted:
+        return
+    shares = world_size * passes
+    if wanted % shares:
+        lower, upper = wanted // shares * shares, (wanted // shares + 1) * shares
+        raise ConfigError(f"train.global_batch_size={wanted} does not divide into {world_size} ranks x {passes} "
+                          f"passes: use a multiple of {shares} (e.g. {lower or upper} or {upper}), or another "
+                          f"number of ranks")
+    per_rank = wanted // shares
+    default = TrainConfig.batch_size
+    if cfg.train.batch_size not in (default, per_rank):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} and train.global_batch_size={wanted} disagree at "
+                          f"{world_size} ranks x {passes} passes ({per_rank} per rank): set one of the two")
+    cfg.train.batch_size = per_rank
 
 
 def build_model(cfg: Config, task: Task, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -104,12 +127,18 @@ def compression_for(cfg: Config, device: torch.device) -> str:
     return cfg.dist.compression
 
 
-def bucket_mb_for(cfg: Config, device: torch.device) -> float:
+def has_sparse_gradients(model: torch.nn.Module) -> bool:
+    """Whether ``model`` makes sparse gradients (an embedding built with ``sparse=True``)."""
+    return any(getattr(module, "sparse", False) for module in model.modules()
+               if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+
+
+def bucket_mb_for(cfg: Config, device: torch.device, sparse: bool = False) -> float:
     """dist.bucket_mb resolved: auto is DDP's 25 MB on CPU (measured faster under Gloo,
-    docs/benchmarks.md) and Horovod's per-cycle fusion on GPU. Sparse gradients take no groups
-    (Horovod's grouped allreduce refuses them, made dense or not), and neither do elastic runs
+    docs/benchmarks.md) and Horovod's per-cycle fusion on GPU. Sparse gradients (``sparse``) take no
+    groups (Horovod's grouped allreduce refuses them, made dense or not), and neither do elastic runs
     (validate() refuses an explicit size there)."""
-    if cfg.model.sparse_embeddings or cfg.elastic.enabled:
+    if sparse or cfg.elastic.enabled:
         return 0
     if cfg.dist.bucket_mb == -1:
         return 25 if device.type == "cpu" else 0
@@ -117,11 +146,14 @@ def bucket_mb_for(cfg: Config, device: torch.device) -> float:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, task: Task | None = None) -> torch.optim.Optimizer:
+    """The task's own optimizer (``Task.build_optimizer``) or the one ``optim.name`` names, wrapped
+    in Horovod's ``DistributedOptimizer``."""
+    own = task.build_optimizer(model) if task is not None else None
     return dist.distributed_optimizer(
-        build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
+        own if own is not None else build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
         compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
-        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense, bucket_mb=bucket_mb_for(cfg, device))
+        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense, bucket_mb=bucket_mb_for(cfg, device, has_sparse_gradients(model)))
 
 
 def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:

@@ -114,7 +114,7 @@ SUMMARIES: dict[str, str] = {
     "bench": "training throughput of the real training step on synthetic data",
     "bench-data": "images per second of the training input pipeline alone",
     "report": "PNG plots and a text summary of a run's metrics.jsonl",
-    "doctor": "check that hosts can train together (ssh, versions, Horovod build) and time allreduce",
+    "doctor": "check that hosts can train together (versions, packages, Horovod build, folders) and time allreduce",
     "prepare": "convert an ImageFolder into tar shards (WebDataset format) for training from shards or S3",
     "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
     "launch": "horovodrun with the ranks' exit code (75, 2, 1) and the cause as its last line",

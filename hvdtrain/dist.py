@@ -147,7 +147,8 @@ def controller() -> str:
 
 
 def built() -> dict[str, bool]:
-    return {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built())}
+    return {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built()),
+            "cuda": bool(hvd.cuda_built())}  # GPU operations: NCCL, or CUDA-aware MPI
 
 
 def version() -> str:

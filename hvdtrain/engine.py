@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from . import dist, outcome
+from .data.bad_files import combine
 from .metrics import MetricSums
 from .optim import LRSchedule, set_lr
 from .phases import GPU_SAMPLE_EVERY, NO_CLOCK, StepClock
@@ -187,13 +189,18 @@ class Epoch:
         self.allreduce_sum = allreduce_sum
         self.sums = MetricSums(len(settings.task.sum_fields)) if sums is None else sums
         position = state.position
+        self.start = time.perf_counter()
+        # A loader that counts its bad files has one step's batches taken ahead, so that the ranks
+        # agree on a stop for vanished data before the step that would train on it (bad_data.py).
+        ahead = settings.backward_passes_per_step if getattr(batches, "counts_bad_files", False) and \
+            not getattr(batches, "counts_taken_batches", False) else 0
         self.iterator = DeviceBatches(batches, settings,
-                                      count=(steps - position.step_in_epoch) * settings.backward_passes_per_step)
+                                      count=(steps - position.step_in_epoch) * settings.backward_passes_per_step,
+                                      ahead=ahead)
         self.clock = settings.step_clock()
-        self.data_seconds = 0.0
+        self.data_seconds = time.perf_counter() - self.start  # waiting for the batches taken ahead
         self.stopped = False
         self.first_step = position.step_in_epoch
-        self.start = time.perf_counter()
         self.lr = settings.lr_at(state)
         state.model.train()
 
@@ -285,16 +292,27 @@ class DeviceBatches:
     caching allocator does not hand it out while the step still reads it. Only ``count`` batches are
     taken from the loader, so nothing beyond the epoch's steps is read. Loaders whose checkpointed
     position counts the batches taken (tar shards) get no prefetch: the batch taken ahead would be
-    counted as trained on. On a CPU, each batch is prepared when it is asked for.
+    counted as trained on. On a CPU, each batch is prepared when it is asked for; ``ahead`` batches
+    are taken from the loader before that (as they come, not yet on the device), so that the loader
+    has counted what they hold.
     """
 
-    def __init__(self, batches: Iterable[Any], settings: StepSettings, count: int | None = None):
+    def __init__(self, batches: Iterable[Any], settings: StepSettings, count: int | None = None, ahead: int = 0):
         self.iterator: Iterator = iter(batches)
         self.settings, self.remaining = settings, count
         device = settings.device
         self.stream = torch.cuda.Stream(device) if (device.type == "cuda" and settings.prefetch and
                                                     not getattr(batches, "counts_taken_batches", False)) else None
         self.ready = self.load() if self.stream is not None else None
+        self.ahead, self.taken_ahead = (ahead if self.stream is None else 0), deque()
+        self.take_ahead()
+
+    def take_ahead(self) -> None:
+        while len(self.taken_ahead) < self.ahead:
+            try:
+                self.taken_ahead.append(self.take())
+            except StopIteration:
+                return
 
     def __iter__(self) -> "DeviceBatches":
         return self
@@ -318,7 +336,9 @@ class DeviceBatches:
     def __next__(self) -> tuple[Any, torch.Tensor]:
         settings = self.settings
         if self.stream is None:
-            return settings.task.to_device(self.take(), settings.device, settings.dtype)
+            batch = self.taken_ahead.popleft() if self.taken_ahead else self.take()
+            self.take_ahead()
+            return settings.task.to_device(batch, settings.device, settings.dtype)
         if self.ready is None:
             raise StopIteration
         current = torch.cuda.current_stream(settings.device)
@@ -353,15 +373,16 @@ def batch_seed(seed: int, epoch: int, step: int, pass_index: int, rank: int) -> 
 
 
 def add_bad_files(metrics: dict, batches: Iterable, allreduce_sum: AllreduceSum) -> None:
-    """Unreadable samples skipped this epoch, summed over ranks, for loaders that count them
-    (``pop_bad_files()``).
-
-    Every rank has the same kind of loader, so every rank takes part in this sum or none does.
-    """
-    pop_bad_files = getattr(batches, "pop_bad_files", None)
-    if pop_bad_files is not None:
-        total = allreduce_sum(torch.tensor([float(pop_bad_files())], dtype=torch.float64))
-        metrics["bad_files"] = int(total[0])
+    """The distinct files that failed in this pass over every rank, per reason (``bad_files``,
+    ``bad_files_missing``, ...), for loaders that count them (``pop_epoch()``); the whole
+    bad_files.Summary stays in the loader's ``last_summary`` for bad_data.py. Every rank has the
+    same kind of loader, so every rank takes part in these collectives or none does."""
+    pop_epoch = getattr(batches, "pop_epoch", None)
+    if pop_epoch is not None:
+        gather = (lambda value: dist.allgather_object(value, name="hvdtrain.bad_files")) \
+            if dist.initialized() and dist.size() > 1 else (lambda value: [value])
+        batches.last_summary = combine(pop_epoch(), allreduce_sum, gather)
+        metrics.update(batches.last_summary.metrics())
 
 
 @torch.no_grad()

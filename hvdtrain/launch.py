@@ -18,6 +18,7 @@ the ranks' codes and need none of this.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -36,6 +37,7 @@ RECORD = "hvdtrain-exit"
 MEANINGS = {
     1: "a crash",
     2: "bad configuration or data",
+    65: "training files vanished (see bad_files.jsonl in output.dir): restore them, then run the same command",
     74: "a checkpoint did not fit on its disk: free space, then run the same command",
     75: "stopped after a checkpoint: run the same command to resume",
     130: "interrupted",
@@ -194,6 +196,50 @@ def one_host_elastic(argv: list[str]) -> tuple[list[str], str]:
                       f"interface {host} is reached by, e.g. eth0; hvdtrain doctor -H {host}:1 lists them)")
 
 
+def horovod_cache_writable(home: str | None = None) -> bool:
+    """Whether horovodrun can keep its cache of host checks in ``~/.horovod``: it creates that folder
+    there, and a HOME that does not exist or is not the user's (a shared service account, a read-only
+    home on compute nodes) crashes it with a PermissionError before any rank starts."""
+    folder = Path(home if home is not None else os.path.expanduser("~")) / ".horovod"
+    if folder.is_dir():
+        return os.access(folder, os.W_OK | os.X_OK)
+    return folder.parent.is_dir() and os.access(folder.parent, os.W_OK | os.X_OK)
+
+
+def without_home_cache(argv: list[str], home: str | None = None) -> tuple[list[str], str]:
+    """``argv`` with ``--disable-cache`` where horovodrun could not write its cache (and a note), else as given."""
+    if "--disable-cache" in argv or horovod_cache_writable(home):
+        return argv, ""
+    where = home if home is not None else os.path.expanduser("~")
+    return (["--disable-cache", *argv],
+            f"hvdtrain launch: HOME ({where}) is not writable: horovodrun runs without its cache of host checks "
+            f"(--disable-cache; they run again at each start)")
+
+
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")  # set by horovodrun --gloo, by mpirun
+
+
+def local_ranks(launcher_pid: int, token: str) -> list[int]:
+    """The pids of the job's ranks on this host, with their loader workers (which ignore stop
+    signals): the launcher's descendants whose environment has the job's token and a rank variable.
+    horovodrun, its shell and mpirun carry the token but no rank variable."""
+    import psutil  # Horovod's own dependency
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        try:
+            environ = child.environ()
+        except psutil.Error:
+            continue
+        if environ.get(TOKEN_VARIABLE) == token and any(name in environ for name in RANK_VARIABLES):
+            found.append(child.pid)
+    return found
+
+
 def horovodrun() -> str:
     beside = Path(sys.executable).with_name("horovodrun")
     return str(beside) if beside.exists() else "horovodrun"
@@ -208,8 +254,10 @@ def main(argv: list[str]) -> int:
     except LaunchError as error:
         print(f"hvdtrain launch: error: {error}", file=sys.stderr, flush=True)
         return 2
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    argv, cache_note = without_home_cache(argv)
+    for line in (note, cache_note):
+        if line:
+            print(line, file=sys.stderr, flush=True)
     token = secrets.token_hex(16)
     env = {**os.environ, TOKEN_VARIABLE: token}
     try:
@@ -218,10 +266,17 @@ def main(argv: list[str]) -> int:
         print(f"hvdtrain launch: error: cannot start horovodrun ({error}): is Horovod installed (make setup)?",
               file=sys.stderr, flush=True)
         return 2
-    # A stop signal sent to the launcher alone (a scheduler's) reaches horovodrun, which stops the ranks.
+    # A stop signal sent to the launcher alone (a scheduler's, a batch script's) goes to this host's
+    # ranks, which agree on it with the others and checkpoint: horovodrun would end them instead
+    # (under mpirun within a second, under Gloo within 5 s). With no rank here, horovodrun gets it.
     def forward(signum, _frame):
         if job.poll() is None:
-            job.send_signal(signum)
+            ranks = local_ranks(job.pid, token)
+            for pid in ranks:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signum)
+            if not ranks:
+                job.send_signal(signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
     records: list[dict] = []
     lock = threading.Lock()

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from .rank_logs import RANKS_FILE, split_record
+
 
 class MetricSums:
     """Running sums for one split of one epoch on one rank.
@@ -37,27 +39,73 @@ class MetricSums:
         return allreduce_sum(self.local())
 
 
+def last_epoch_records(path: Path, epoch: int) -> dict[str, Any]:
+    """``epoch``'s train and val records in a metrics.jsonl, in the shape a trained epoch returns
+    ({"train", "val", "epoch", "step"}); {} where the file or the epoch's train record is missing.
+    Lines that are not JSON objects (a write cut short) are skipped."""
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("epoch") == epoch and record.get("split") in ("train", "val"):
+            found[record["split"]] = record
+    if "train" not in found:
+        return {}
+    plain = {split: {k: v for k, v in record.items() if k not in ("split", "epoch", "step")}
+             for split, record in found.items()}
+    return {"train": plain["train"], "val": plain.get("val", {}), "epoch": epoch, "step": found["train"].get("step")}
+
+
+def summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter, imported without its cloud writers: tensorboardX imports boto3 and
+    google.cloud.storage when they are installed, for s3:// and gs:// log folders, which hvdtrain never
+    uses (tb/ is in the run folder); boto3 alone took 0.7-2.6 s of each run's start-up on 2 cores."""
+    import sys
+
+    blocked = [name for name in ("boto3", "google.cloud.storage") if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  # "import boto3" raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        for name in blocked:
+            sys.modules.pop(name, None)
+    return SummaryWriter
+
+
 class MetricsWriter:
-    """metrics.jsonl (one object per split per epoch) and tensorboardX scalars, on rank 0 only."""
+    """metrics.jsonl (one object per split per epoch), its per-rank part in metrics_ranks.jsonl
+    (``by_rank``, every straggler: rank_logs.split_record; rank_logs.read_records joins them) and
+    tensorboardX scalars, on rank 0 only."""
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
+        self.ranks_path = run_dir / RANKS_FILE
         self.tb = None
         self.lost: dict[str, int] = {}
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            SummaryWriter = summary_writer_class()
 
             self.tb = SummaryWriter(logdir=str(run_dir / "tb"))
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; a write that fails (a full disk, a quota, a vanished mount) costs the
         record, not the run: one warning per output, and the count at the end."""
-        line = json.dumps(record, sort_keys=False) + "\n"
-        try:
-            with self.path.open("a") as handle:
-                handle.write(line)
-        except OSError as error:
-            self.failed("metrics.jsonl", error)
+        small, detail = split_record(record)
+        for path, value in ((self.path, small), (self.ranks_path, detail)):
+            if value is None:
+                continue
+            try:
+                with path.open("a") as handle:
+                    handle.write(json.dumps(value, sort_keys=False) + "\n")
+            except OSError as error:
+                self.failed(path.name, error)
         if self.tb is not None:
             try:
                 split = record["split"]

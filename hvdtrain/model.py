@@ -7,7 +7,6 @@ import difflib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision import models
 
 from .config import ConfigError, ModelConfig
 
@@ -40,6 +39,9 @@ def build_model(model: ModelConfig, num_classes: int) -> torch.nn.Module:
     the initialization and BlurPool the ``model`` section asks for (``apply_recipe``)."""
     if model.arch.startswith(TIMM_PREFIX):
         return apply_recipe(build_timm_model(model.arch, num_classes), model)
+    # Imported here: a task of one's own needs no torchvision, which costs 0.3-1 s at each rank's start.
+    from torchvision import models
+
     available = models.list_models(module=models)
     if model.arch not in available:
         close = [name for name in available if name.startswith(model.arch[:4])][:8] or available[:8]

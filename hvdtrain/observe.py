@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import dist, launcher, phases
+from . import dist, launcher, phases, rank_logs
 from .sysstats import across_ranks
 
 
@@ -42,18 +42,27 @@ class TimelineWindow:
 
 
 def add_rank_report(run: Any, train_metrics: dict[str, Any]) -> None:
-    """Every rank's step phases and host statistics -> the epoch's figures in ``train_metrics``
-    (phase fractions, CPU/memory/GPU use, ``by_rank``), and the stragglers, which rank 0 logs.
-    A collective."""
+    """Every rank's step phases, host statistics and warnings -> the epoch's figures in
+    ``train_metrics`` (phase fractions, CPU/memory/GPU use, ``by_rank``), the stragglers, which rank
+    0 logs (the worst few and a count: rank_logs), and each warning the ranks raised, said once
+    with its count. A collective."""
     mine: dict[str, Any] = {"rank": dist.rank(), "host": launcher.host_name()}
     phase_seconds = train_metrics.pop("rank_phases", None)
     if run.cfg.runtime.phase_timing and phase_seconds is not None:
         mine["phases"] = phase_seconds
     if run.stats is not None:
         mine["stats"] = run.stats.take_epoch()
+    tally = getattr(run, "warnings", None)
+    if tally is not None:  # the same on every rank (run.setup installs one everywhere)
+        mine["warnings"] = tally.take()
     if len(mine) == 2:
         return
     ranks = dist.allgather_object(mine, name="hvdtrain.rank_report")
+    if tally is not None:
+        for line in rank_logs.summary_lines([r["warnings"] for r in ranks], tally.said, run.state.position.epoch):
+            dist.log(line)
+    if "phases" not in mine and run.stats is None:
+        return
     by_rank: dict[int, dict[str, Any]] = {r["rank"]: {"rank": r["rank"], "host": r["host"]} for r in ranks}
     if run.stats is not None:
         train_metrics.update(across_ranks([r["stats"] for r in ranks]))
@@ -66,8 +75,9 @@ def add_rank_report(run: Any, train_metrics: dict[str, Any]) -> None:
             by_rank[row["rank"]].update(row)
         train_metrics.update(phase_figures)
         stragglers = phases.find_stragglers(timed, run.cfg.dist.straggler_threshold)
-        if stragglers:
-            train_metrics["stragglers"] = stragglers
-        for straggler in stragglers:
-            dist.log(phases.straggler_line(straggler))
+        if stragglers:  # metrics.jsonl keeps the worst few and the count; metrics_ranks.jsonl all
+            train_metrics["stragglers"], train_metrics["stragglers_total"] = stragglers, len(stragglers)
+        for line in rank_logs.straggler_lines(stragglers, run.cfg.dist.straggler_threshold, len(ranks),
+                                              phases.straggler_line):
+            dist.log(line)
     train_metrics["by_rank"] = [by_rank[rank] for rank in sorted(by_rank)]

@@ -40,12 +40,15 @@ class LRSchedule:
 
     @classmethod
     def from_config(cls, optim: OptimConfig, global_batch: int, epochs: int, steps_per_epoch: int) -> "LRSchedule":
-        peak = scaled_lr(optim.base_lr, global_batch)
+        # optim.lr is a rate as it is (a DDP script's lr=); else the per-256 rate scaled linearly.
+        peak = optim.lr if optim.lr > 0 else scaled_lr(optim.base_lr, global_batch)
         # Goyal et al. warm up from the reference rate (for 256 images) to k times it; below a global
         # batch of 256 there is nothing to warm up to, so the start never exceeds the peak.
         # optim.warmup_start >= 0 starts from that fraction of the peak instead (0: from zero).
         # optim.warmup_start_lr >= 0 is an absolute start (timm's warmup_lr).
         start = min(optim.base_lr, peak) if optim.warmup_start < 0 else optim.warmup_start * peak
+        if optim.lr > 0 and optim.warmup_start < 0:
+            start = 0.0  # an absolute rate has no reference rate to warm up from
         if optim.warmup_start_lr >= 0:
             start = optim.warmup_start_lr
         return cls(peak_lr=peak, start_lr=start, warmup_epochs=optim.warmup_epochs,
@@ -69,6 +72,8 @@ def lr_at(step: int, sched: LRSchedule) -> float:
             epoch = min(epoch + 1, sched.warmup_epochs)
     if epoch < sched.warmup_epochs:
         return sched.start_lr + (sched.peak_lr - sched.start_lr) * epoch / sched.warmup_epochs
+    if sched.schedule == "constant":
+        return sched.peak_lr
     if sched.schedule == "step":
         passed = sum(epoch >= sched.epochs * m / 90 for m in STEP_MILESTONES_OF_90)
         return sched.peak_lr * 0.1 ** passed

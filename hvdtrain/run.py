@@ -11,10 +11,9 @@ import math
 import re
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -23,6 +22,7 @@ from .audit import audit
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
                        pick_device, threads_per_rank, wants_gpu)
 from .config import Config, ConfigError, dump_yaml, step_range, target_value, to_dict, validates_after
+from .data.bad_files import vanished_classes
 from .data.loaders import Loaders, shutdown_workers
 from .dist import log
 from .ema import ModelEma
@@ -33,6 +33,8 @@ from .observe import TimelineWindow, add_rank_report
 from .optim import LRSchedule
 from .placement import place_rank
 from .preemption import StopRequest
+from .rank_logs import WarningTally, host_map, write_host_map
+from .run_folder import prepare_output_dir
 from .run_identity import differences, listed, model_fit, refusal
 from .state import RunState
 from .sysstats import StatsSampler
@@ -61,6 +63,11 @@ class Run:
     ema: ModelEma | None = None
     clock: "TrainClock | None" = None
     resume_changes: dict[str, Any] | None = None  # settings changed since the checkpoint resumed from
+    warnings: WarningTally | None = None  # this rank's warnings, said once across ranks (rank_logs)
+    # The training sums of the epoch in progress, all ranks together, so far (a collective; set by the loop),
+    # and those a mid-epoch checkpoint carried: a resumed epoch's record then covers the whole epoch.
+    train_sums_so_far: Callable[[], torch.Tensor] | None = None
+    resumed_train_sums: torch.Tensor | None = None
 
 
 def setup(cfg: Config) -> Run:
@@ -71,8 +78,13 @@ def setup(cfg: Config) -> Run:
               stall_warning_seconds=cfg.dist.stall_warning_seconds,
               stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
     liveness, peers = build_peers(elastic)
-    if not dist.is_primary():
-        warnings.filterwarnings("ignore")
+    problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(),
+                                 lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"))
+    if problem:
+        raise ConfigError(problem)
+    log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}")
+    # Other ranks print no warning; each is counted and rank 0 says it once with its count.
+    tally = WarningTally(speak=dist.is_primary()).install()
     device = pick_device(cfg)
     own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
     threads = threads_per_rank(cfg, own_cores)
@@ -87,7 +99,7 @@ def setup(cfg: Config) -> Run:
     model = build_model(cfg, task, device, dtype)
     schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
     amp_dtype, scaler = build_scaler(cfg, device)
-    state = RunState(model, build_optimizer(cfg, model, schedule, device), scaler)
+    state = RunState(model, build_optimizer(cfg, model, schedule, device, task), scaler)
     for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
         state.register(name, component)
     if tracking.enabled(cfg):
@@ -105,20 +117,21 @@ def setup(cfg: Config) -> Run:
               timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
               if cfg.runtime.timeline else None,
               stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
-              if cfg.runtime.stats_interval > 0 else None)
+              if cfg.runtime.stats_interval > 0 else None, warnings=tally)
 
     world_size, passes = dist.size(), cfg.train.backward_passes_per_step
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
         f"device {device.type}, {threads} threads/rank"
         + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
-        + ("; ranks: " + ", ".join(f"{p.rank}={p.host}:{p.pid}" for p in peers[:16]) if peers else "")
-        + (" ..." if len(peers) > 16 else "") + ("; elastic" if elastic else ""))
+        + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
+        + ("; elastic" if elastic else ""))
     if loaders.note:
         log(f"hvdtrain: {loaders.note}")
     if run.stats is not None and device.type == "cuda" and not run.stats.has_gpu:
         log("hvdtrain: GPU statistics off: NVML is not available (pip install 'hvdtrain[gpu]' for nvidia-ml-py)")
     log(f"hvdtrain: {task.describe(loaders)}")
-    log(f"hvdtrain: global batch {global_batch} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
+    given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
+    log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
         f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
         f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
         f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
@@ -144,7 +157,8 @@ def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> st
     stepping = {"step": "every step", "epoch": "once per epoch",
                 "epoch_warmup_end": "once per epoch, warm-up epochs at their end value"}[optim.lr_step]
     milestones = ", ".join(f"{cfg.train.epochs * m / 90:g}" for m in (30, 60, 80))
-    decay = optim.schedule + (f" to {optim.end_lr:g}" if optim.schedule != "step" else f" x0.1 at epochs {milestones}")
+    decay = optim.schedule + {"step": f" x0.1 at epochs {milestones}", "constant": ""}.get(optim.schedule,
+                                                                                           f" to {optim.end_lr:g}")
     decay += "" if optim.warmup_prefix or optim.schedule == "step" else " over the whole run (warm-up inside it)"
     size = val_image_size(cfg.data)
     model_cfg = cfg.model
@@ -229,6 +243,9 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
                  else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
         if found is not None:
             refused = same_run(run, found) if path is None else None
+            # A class folder gone is said as such, before the classifier's shape it changes (model_fit).
+            refused = refused or vanished_classes(found[1].get("task") or {}, run.task.checkpoint_metadata(),
+                                                  str(found[0]), f"{run.cfg.data.dir or 'the data'}/train")
             refused = refused or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
             if refused is None:
                 run.state.load_state_dict(found[1])
@@ -242,7 +259,8 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
             log(f"hvdtrain: resumed from {found[0]} at {where(run)} (global step {run.state.position.step})")
         return
     resumed = dist.broadcast_object(
-        None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", []), "refused": refused},
+        None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", []), "refused": refused,
+                                    "train_sums": found[1].get("train_sums")},
         name="hvdtrain.resumed")
     if resumed is not None and resumed["refused"]:
         raise ConfigError(resumed["refused"])  # every rank, before anything is loaded or written
@@ -252,6 +270,7 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
     position = run.state.position
     position.step_in_epoch = position.samples_in_epoch // run.global_batch
     run.start_epoch = position.epoch
+    run.resumed_train_sums = resumed.get("train_sums") if position.step_in_epoch else None
     ranks = resumed["ranks"]
     same_world = run.state.load_rank_state(ranks, dist.rank(), dist.size(),
                                            fallback_seed=run.cfg.seed + 1000003 * dist.rank() + position.step)
@@ -298,6 +317,8 @@ def checkpoint_payload(run: Run) -> dict[str, Any]:
         task={"name": run.task.name, **run.task.checkpoint_metadata()},
         config=to_dict(run.cfg),
     )
+    if run.state.position.step_in_epoch and run.train_sums_so_far is not None:
+        payload["train_sums"] = run.train_sums_so_far()  # the interrupted epoch's metrics, on resume
     return payload
 
 
@@ -361,6 +382,8 @@ class Outputs:
         if dist.is_primary():
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg))
+            if run.peers:
+                write_host_map(run.run_dir, [(p.rank, p.host, p.pid) for p in run.peers])
             self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard)
             if run.resume_changes:  # what changed at this resume (checkpoint.resume=force, or allowed keys)
                 self.writer.write({"split": "resume", "epoch": run.state.position.epoch,
@@ -432,7 +455,7 @@ def validate_with_ema(run: Run, val_metrics: dict[str, Any], watch: bool) -> Non
     ema = evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum,
                    on_batch=run.watchdog.beat if watch else None, model=run.ema.module)
     for key, value in ema.items():
-        if key not in ("samples", "bad_files", "seconds", "samples_per_sec"):
+        if key not in ("samples", "seconds", "samples_per_sec") and not key.startswith("bad_files"):
             val_metrics[f"ema_{key}"] = value
 
 
@@ -573,10 +596,13 @@ def finish(run: Run, outputs: Iterable[Outputs]) -> None:
         run.timeline.close()
     if run.stats is not None:
         run.stats.stop()
+    if run.warnings is not None:
+        run.warnings.uninstall()
     shutdown_workers(run.loaders.train, run.loaders.val)
     for out in outputs:
         out.close()
-    if isinstance(sys.exc_info()[1], Preempted):
+    stop = sys.exc_info()[1]
+    if isinstance(stop, Preempted) or getattr(stop, "after_checkpoint", False):  # e.g. bad_data.DataVanished
         dist.barrier()
 
 
@@ -603,4 +629,6 @@ def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
     finally:
         if run.stats is not None:
             run.stats.stop()
+        if run.warnings is not None:
+            run.warnings.uninstall()
 

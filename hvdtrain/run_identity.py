@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from .config import Config, flatten, to_dict
+from .config import Config, flatten, migrate_moved_keys, to_dict
 
 # Keys (or whole sections, with a trailing dot) that may change between the legs of one run.
 MAY_CHANGE = ("train.epochs", "train.target", "train.target_metric", "train.target_top1",
               "data.dir", "data.workers", "data.prefetch_factor", "data.mp_context", "data.index_cache",
-              "data.on_bad_file", "data.decoder", "data.max_image_pixels", "data.on_bad_line", "data.ratings_cache",
+              "data.on_bad_file", "data.max_bad_fraction", "data.decoder", "data.max_image_pixels",
+              "recommendation.on_bad_line", "recommendation.ratings_cache",
               "runtime.", "output.", "checkpoint.", "tracking.", "eval.", "elastic.commit_every_steps",
               "elastic.sample_log", "dist.timeout_seconds", "dist.straggler_threshold", "dist.stall_warning_seconds",
               "dist.stall_shutdown_seconds", "dist.bucket_mb", "dist.compression", "amp.max_skipped_steps")
@@ -39,14 +40,19 @@ def may_change(key: str) -> bool:
 
 def differences(stored: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(keys that change what the run computes, keys that may change): key -> (checkpoint's, now).
-    A key the checkpoint's config lacks (written by an older hvdtrain) counts as its default."""
-    defaults = flatten(dataclasses.asdict(Config()))
-    before = {**defaults, **flatten(stored)}
+    A key the checkpoint's config lacks (written by an older hvdtrain) counts as its default, and a key
+    that moved since into the task's section is compared at its new place."""
+    defaults = flatten(dataclasses.asdict(type(cfg)()))
+    before = {**defaults, **flatten(migrate_moved_keys(stored))}
     now = flatten(to_dict(cfg))
     meaning, allowed = {}, {}
     for key, value in now.items():
         if key in before and before[key] != value:
             (allowed if may_change(key) else meaning)[key] = (before[key], value)
+    # A global batch said once (train.global_batch_size) is the run's batch: the per-rank batch that
+    # follows from it changes with the number of ranks, as the number of ranks may.
+    if now.get("train.global_batch_size") and before.get("train.global_batch_size") == now["train.global_batch_size"]:
+        meaning.pop("train.batch_size", None)
     return meaning, allowed
 
 

@@ -18,8 +18,12 @@
                   the cross-rank audit every runtime.audit_every
                 membership.after_step          elastic: sample log, commit every commit_every_steps
                 the tracker's step point; watchdog.beat(); timeline window
-              a stop signal on any rank (agreed at the step boundary) ends the epoch
+              a stop signal on any rank, or failed training files past data.max_bad_fraction
+                (bad_data.DataGuard; counted one step ahead), agreed at the step boundary, ends the epoch
+            data vanished? stop_for_vanished_data: checkpoint of the last good step, raise DataVanished (65)
             stopped? stop_for_preemption: checkpoint (every rank), raise Preempted (exit 75)
+              (a mid-epoch checkpoint keeps the epoch's training sums so far: Static.sums_so_far;
+              the resumed epoch's record adds them, Static.epoch_metrics)
             end_epoch                                                         (run.py)
               add_rank_report, average_buffers, evaluate, save_checkpoint, metrics.jsonl, the line
             membership.end_epoch               elastic: commit
@@ -40,10 +44,13 @@ import sys
 import time
 from typing import Any, Callable
 
-from . import dist
+import torch
+
+from . import attempts, dist
+from .bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from .config import Config
 from .engine import Epoch
-from .metrics import MetricSums
+from .metrics import MetricSums, last_epoch_records
 from .preemption import StopRequest
 from .run import Outputs, Run, audit_ranks, end_epoch, finish, log, lost_rank, resume, save_checkpoint, \
     setup, stop_for_preemption
@@ -90,7 +97,20 @@ class Static:
         pass
 
     def epoch_metrics(self, run: Run, sums: MetricSums, metrics: dict[str, Any]) -> None:
-        pass
+        """A resumed epoch's record covers the whole epoch: the sums its checkpoint carried are added
+        (speed, seconds and steps stay this job's own)."""
+        if self.carried(run) is not None:
+            metrics.update(run.task.summarize(self.sums_so_far(run, sums)))
+
+    def carried(self, run: Run) -> torch.Tensor | None:
+        """The global sums of the epoch resumed mid-way, from its checkpoint (None in any other epoch)."""
+        return run.resumed_train_sums if run.state.position.epoch == run.start_epoch else None
+
+    def sums_so_far(self, run: Run, sums: MetricSums) -> torch.Tensor:
+        """The epoch's training sums over every rank, the carried ones included (a collective)."""
+        total = dist.allreduce_sum(sums.local(), name="hvdtrain.train_sums")
+        carried = self.carried(run)
+        return total if carried is None else total + carried
 
     def end_epoch(self) -> None:
         pass
@@ -113,21 +133,34 @@ class Trainer:
         """Returns the run and the last epoch's metrics (every rank)."""
         cfg, membership = self.cfg, self.membership
         membership.check(cfg)
-        run = self.run = setup(cfg)
-        membership.start(run)
         self.stop = StopRequest.for_config(cfg.runtime)
+        self.stop.keep_early()  # a stop signal during setup and resume stops the run at its first step
+        try:
+            run = self.run = setup(cfg)
+            membership.start(run)
+        except BaseException:
+            self.stop.release_early()
+            raise
+        self.data_guard = DataGuard.for_run(run)
+        self.bad_log = BadFilesLog(run.run_dir) if self.data_guard is not None and dist.is_primary() else None
         if run.start_epoch >= cfg.train.epochs:
-            log(f"hvdtrain: nothing to do: {run.start_epoch} of {cfg.train.epochs} epochs are done "
-                f"(raise train.epochs to train further)")
+            self.last = finished_metrics(run, broadcast=membership.broadcast)
+            log(finished_line(run, self.last))
         if run.timeline is not None:
             run.timeline.at_step(run.state.position.step)
         if run.clock is not None:
             run.clock.start()
+        position = run.state.position  # attempts.jsonl: this job's start and end on the run folder
+        attempts.record_start(run.run_dir, [peer.host for peer in run.peers], dist.size(), position.epoch, position.step)
         try:
             with self.stop.installed():
                 membership.run(run, self.train_epochs)
         finally:
-            finish(run, membership.outputs)
+            attempts.record_end(run.run_dir, sys.exc_info()[1], position.epoch, position.step)
+            try:
+                finish(run, membership.outputs)
+            finally:
+                self.stop.release_early()
         return run, self.last
 
     def train_epochs(self) -> None:
@@ -148,24 +181,43 @@ class Trainer:
             if run.stats is not None:
                 run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
             sums = out.epoch_sums(run)
+            # A mid-epoch checkpoint carries them (elastic runs carry theirs in their commits).
+            sums_so_far = getattr(membership, "sums_so_far", None)
+            run.train_sums_so_far = (lambda: sums_so_far(run, sums)) if sums_so_far else None
+            guard = self.data_guard
+            if guard is not None:
+                guard.start_epoch(steps * run.global_batch)
             steps_of = Epoch(run.state, run.settings, loaders.train, steps, dist.allreduce_sum, sums)
-            if steps_of.remaining > 0 and self.stop.agreed():
+            if steps_of.remaining > 0 and self.stop_agreed():
                 steps_of.stop()
             for _ in steps_of:
                 self.after_step(out, sums, progress)
-                if steps_of.remaining > 0 and self.stop.agreed():
+                if steps_of.remaining > 0 and self.stop_agreed():
                     steps_of.stop()
             train_metrics = steps_of.metrics()
             run.watchdog.disarm()
             if progress:
                 progress.close()
             membership.epoch_metrics(run, sums, train_metrics)
+            if guard is not None and guard.tripped:
+                stop_for_vanished_data(run, out, guard, self.bad_log, steps)
             if train_metrics["stopped"]:
                 stop_for_preemption(run, out, self.stop, steps)
             self.last = end_epoch(run, out, epoch, train_metrics, watch=epoch > run.start_epoch)
             membership.end_epoch()
+            note_epoch(run, self.bad_log, epoch)
+            check_epoch_end(run, guard, epoch, train_metrics)
             if self.last["val"].get("target_reached"):
                 break  # train.target: every rank has the same global metrics, so all stop here
+
+    def stop_agreed(self) -> bool:
+        """Every rank's answer to "stop before the next step?": a stop signal or notice on any rank,
+        or the epoch's failed training files past the limit (one allreduce for both)."""
+        guard = self.data_guard
+        if guard is None:
+            return self.stop.agreed()
+        signalled = self.stop.agreed(extra=guard.vector())
+        return guard.check(self.stop.extra) or signalled
 
     def after_step(self, out: Outputs, sums: MetricSums, progress: "Progress | None") -> None:
         run, cfg = self.run, self.cfg
@@ -185,6 +237,24 @@ class Trainer:
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
         if run.timeline is not None:
             run.timeline.at_step(position.step)
+
+
+def finished_metrics(run: Run, broadcast: bool) -> dict[str, Any]:
+    """The last epoch's metrics of a run that had finished, as a trained epoch returns them, from
+    metrics.jsonl: rank 0 reads, and with ``broadcast`` every rank gets them; {} where it has none."""
+    found = last_epoch_records(run.run_dir / "metrics.jsonl", run.start_epoch - 1) if dist.is_primary() else {}
+    return dist.broadcast_object(found, name="hvdtrain.finished") if broadcast else found
+
+
+def finished_line(run: Run, last: dict[str, Any]) -> str:
+    """One line: the run had finished, with the validation metric that picks best.pt."""
+    done = f"{run.start_epoch} of {run.cfg.train.epochs} epochs"
+    val = last.get("val") or {}
+    best = run.cfg.checkpoint.best_metric or run.task.best_metric
+    shown = [f"val {name} {val[name]:.4g}" for name in dict.fromkeys((best, "loss")) if isinstance(val.get(name), float)]
+    metrics = f" (epoch {last['epoch'] + 1}: {', '.join(shown)})" if shown else ""
+    return (f"hvdtrain: this run had finished: {done} are done{metrics}; nothing to train "
+            f"(raise train.epochs to train further, or use another output.dir)")
 
 
 def train(cfg: Config) -> tuple[Run, dict[str, Any]]:

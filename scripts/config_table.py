@@ -1,4 +1,5 @@
-"""Rewrite the configuration table in docs/config.md from hvdtrain/config.py: python scripts/config_table.py
+"""Rewrite the configuration table in docs/config.md from hvdtrain/config/ and the shipped tasks' sections:
+python scripts/config_table.py
 
 The table goes between the START and END markers of docs/config.md; everything else in the file is
 left as written. tests/unit/test_readme.py loads this file (by path, not through sys.path) and fails

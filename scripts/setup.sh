@@ -7,7 +7,17 @@
 # re-checks `horovodrun --check-build`, so it takes seconds.
 #
 # Environment knobs (all optional):
-#   HVDTRAIN_VENV=DIR          where the virtual environment lives (default: <repo>/.venv)
+#   HVDTRAIN_VENV=DIR          where the virtual environment lives (default: <repo>/.venv; `make setup
+#                              VENV=DIR` passes it). A venv outside the checkout is a shared install
+#                              (docs/launching.md#a-shared-install): hvdtrain is copied into it, not
+#                              linked (pip install ., not -e), every file is readable by all users, the
+#                              Slurm scripts go to DIR/share/hvdtrain/slurm, and the Python must be one
+#                              that other users can read (scripts/shared-install.sh; setup stops with
+#                              one line otherwise)
+#   PYTHON=FILE                the Python the venv is made from (default: python3 on the PATH), e.g.
+#                              /usr/bin/python3 or a module's: a venv links to it and uses its library
+#   HVDTRAIN_EDITABLE=1|0      1: hvdtrain installed editable (pip -e, the checkout's files; the default
+#                              for a venv inside the checkout); 0: a copy (the default elsewhere)
 #   HVDTRAIN_GPU_OPS=auto|nccl|none
 #                              auto (default) builds NCCL ops when a GPU driver (libcuda.so.1), a CUDA
 #                              toolkit and NCCL are all found; a toolkit alone is not enough, because
@@ -48,6 +58,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVDTRAIN_VENV:-$repo/.venv}
+[[ $venv = /* ]] || venv=$PWD/$venv
 python=${PYTHON:-python3}
 gpu_ops=${HVDTRAIN_GPU_OPS:-auto}
 patch_file=$repo/third_party/horovod-0.28.1.patch
@@ -69,9 +80,29 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
-stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
+stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/shared-install.sh" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"
+# python_problem, install_hvdtrain, hvdtrain_sources_hash: a shared install
+source "$repo/scripts/shared-install.sh"
+
+# A venv inside the checkout is a developer's: hvdtrain editable. One elsewhere (make setup
+# VENV=/opt/hvdtrain) is a shared install: a copy, readable by everyone, from a Python they can read.
+case ${HVDTRAIN_EDITABLE:-} in
+    1) install_mode=editable ;;
+    0) install_mode=copy ;;
+    "") if [[ $venv == "$repo"/* ]]; then install_mode=editable; else install_mode=copy; fi ;;
+    *) die "HVDTRAIN_EDITABLE must be 1 or 0, not '$HVDTRAIN_EDITABLE'" ;;
+esac
+if [[ $install_mode == copy ]]; then
+    umask 022  # files others can read, whatever the installing user's umask
+    # A copy is refreshed when the checkout's files change (make setup after git pull).
+    stamp=$stamp-copy-$(hvdtrain_sources_hash)
+    venv_python=$python
+    [[ -x $venv/bin/python ]] && venv_python=$venv/bin/python
+    problem=$(python_problem "$venv_python")
+    [[ -z $problem ]] || die "$problem"
+fi
 
 # Extra CA certificates: one temporary bundle (the system's, if any, plus FILE; pip's own certifi
 # bundle is added once the venv exists), removed on exit so that an image layer never keeps it.
@@ -165,11 +196,8 @@ else
     log "installing ${torch_pins[*]} and Python packages"
     pip_install "${torch_pins[@]}" "${python_pins[@]}"
 fi
-pip_install --no-deps --no-build-isolation -e "$repo"
-if [[ -n $extras ]]; then
-    log "installing extras: $extras"
-    pip_install --no-build-isolation -e "$repo[$extras]"
-fi
+[[ -z $extras ]] || log "installing extras: $extras"
+install_hvdtrain "$vpy" "$install_mode" "$extras"
 
 # --- Horovod -----------------------------------------------------------------------------------
 installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
@@ -308,3 +336,6 @@ echo "$out" | sed 's/^/[setup]   /'
 echo "$patch_id" >"$patch_marker"
 echo "$stamp" >"$stamp_file"
 log "done: $venv"
+if [[ $install_mode == copy ]]; then
+    log "shared install: any user runs $venv/bin/python -m hvdtrain (or $venv/bin/hvdtrain, $venv/bin/horovodrun); Slurm: sbatch $venv/share/hvdtrain/slurm/train.sbatch from their own folder"
+fi

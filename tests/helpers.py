@@ -101,7 +101,12 @@ def tiny(tiny_data: Path, out: Path, *extra: str) -> list[str]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's records, each with its per-rank part (``by_rank``, every straggler) from
+    metrics_ranks.jsonl, as ``hvdtrain report`` reads them."""
+    from hvdtrain.rank_logs import attach_rank_detail
+
+    return attach_rank_detail([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
+                              run_dir)
 
 
 def final_states(probe_dir: Path) -> list[dict]:

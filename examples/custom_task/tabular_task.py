@@ -13,6 +13,7 @@ read from ``data.dir``/train.csv and val.csv. When the files are missing they ar
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from hvdtrain import DataEnv, Loaders, SeededSamples, ShardedSampler, Task, loader_kwargs
+from hvdtrain import ConfigError, DataEnv, Loaders, SeededSamples, ShardedSampler, Task, loader_kwargs
 
 NUMERIC, LEVELS, CLASSES = 8, 4, 3
 TRAIN_ROWS, VAL_ROWS = 600, 101  # 101: validation shards are uneven on 2 and 3 ranks
@@ -83,18 +84,33 @@ class TabularNet(torch.nn.Module):
         return self.mlp(torch.cat([numeric, self.embed(category).to(numeric.dtype)], dim=1))
 
 
+@dataclass
+class TabularSettings:
+    """The task's own keys: the config section ``tabular`` (named after the task), set like any other
+    key (``tabular.hidden=64``, or a ``tabular:`` section in YAML), shown by --print-config and
+    recorded in config.yaml and every checkpoint."""
+
+    hidden: int = 32
+    """Width of the MLP's hidden layer."""
+    noise: float = 0.05
+    """Standard deviation of the Gaussian noise added to the numeric columns in training (0 = none)."""
+
+    def validate(self, cfg) -> None:
+        if self.hidden <= 0:
+            raise ConfigError(f"config key 'tabular.hidden' must be positive, got {self.hidden}")
+        if self.noise < 0:
+            raise ConfigError(f"config key 'tabular.noise' must be >= 0, got {self.noise}")
+
+
 class TabularTask(Task):
     name = "tabular"
+    settings_class = TabularSettings
     sum_fields = ("loss_sum", "correct", "count")
     # Whether each metric of summarize() is better higher ("max") or lower ("min"): best.pt and
     # train.target read it (checkpoint.best_metric=loss, train.target=95 ...).
     metric_directions = {"loss": "min", "accuracy": "max"}
     best_metric = "accuracy"
     unit = "rows"
-
-    def __init__(self, cfg=None, hidden: int = 32, noise: float = 0.05):
-        super().__init__(cfg)
-        self.hidden, self.noise = hidden, noise
 
     def data_dir(self) -> Path:
         if self.cfg.data.dir:
@@ -106,7 +122,7 @@ class TabularTask(Task):
         with env.local_rank_zero_first():  # one process per host generates, the others then read
             if not (folder / "val.csv").is_file():
                 generate_csv(folder)
-        train_set, val_set = Rows(folder / "train.csv", self.noise), Rows(folder / "val.csv")
+        train_set, val_set = Rows(folder / "train.csv", self.settings.noise), Rows(folder / "val.csv")
         # One global order per epoch from cfg.seed, split across ranks (resumable mid-epoch);
         # validation unpadded, so that every row is counted once.
         train_sampler = ShardedSampler(len(train_set), env.world_size, env.rank, seed=cfg.seed, shuffle=True,
@@ -122,7 +138,7 @@ class TabularTask(Task):
         return Loaders(train, val, train_sampler, len(train_set), len(val_set), val_sampler)
 
     def build_model(self) -> torch.nn.Module:
-        return TabularNet(self.hidden)
+        return TabularNet(self.settings.hidden)
 
     def to_device(self, batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
         numeric, category, label = batch
@@ -145,7 +161,7 @@ class TabularTask(Task):
         return {"loss": loss_sum / count, "accuracy": 100.0 * correct / count, "samples": int(round(count))}
 
     def describe(self, loaders: Loaders) -> str:
-        return (f"tabular MLP (hidden {self.hidden}) on {self.data_dir()}: {loaders.train_size} train / "
+        return (f"tabular MLP (hidden {self.settings.hidden}) on {self.data_dir()}: {loaders.train_size} train / "
                 f"{loaders.val_size} val rows")
 
     def epoch_summary(self, train: dict[str, Any], val: dict[str, Any]) -> str:
@@ -153,4 +169,4 @@ class TabularTask(Task):
                 f"val loss {val['loss']:.4f} acc {val['accuracy']:.2f}%")
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        return {"hidden": self.hidden, "numeric": NUMERIC, "levels": LEVELS, "classes": CLASSES}
+        return {"hidden": self.settings.hidden, "numeric": NUMERIC, "levels": LEVELS, "classes": CLASSES}

@@ -28,8 +28,8 @@ def digest(model) -> str:
 
 
 def main() -> None:
-    # The class (or an instance: TabularTask(hidden=64)); config.yaml; command-line overrides last.
-    result = hvdtrain.fit(TabularTask(hidden=32), HERE / "config.yaml", overrides=sys.argv[1:])
+    # The class; config.yaml (with the task's own section, tabular:); command-line overrides last.
+    result = hvdtrain.fit(TabularTask, HERE / "config.yaml", overrides=sys.argv[1:])
     evaluated = hvdtrain.evaluate(result.run_dir / "checkpoints" / "last.pt")
     line = json.dumps({"rank": result.rank, "size": result.size, "params": digest(result.model),
                        "fit_val": result.metrics["val"], "evaluate": evaluated})

@@ -7,9 +7,11 @@ A file no decoder can read (truncated, empty, not an image) never stops training
 * validation: the sample is dropped from its batch (no image is counted twice; the exact metrics
   cover the decodable images).
 
-Each bad file is named in a warning (once per process), counted per epoch, and the counts are
-summed over ranks into the epoch metrics (``bad_files``). With ``data.on_bad_file=fail`` the first
-bad file stops the run with one line naming it.
+A file that fails is missing, unreadable or undecodable (data/bad_files.py). The first few are
+named in a warning by each rank; each epoch counts its distinct failed files (a sample's own file,
+not the replacement candidates tried for it) over every rank, per reason, into the epoch metrics
+(``bad_files``); the trainer stops a run whose share passes ``data.max_bad_fraction``
+(bad_data.py). With ``data.on_bad_file=fail`` the first bad file stops the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .bad_files import WARN_FILES, BadFile, EpochTally, as_bad_file, os_error_reason
 from .file_index import DataError
 from .decode import BadImage, Transform, read_file
 
@@ -32,8 +35,16 @@ class BadFileError(DataError):
     """``data.on_bad_file=fail`` met an undecodable file."""
 
 
+class FileFailure(Exception):
+    """A file that gave no image, and why (one of bad_files.REASONS)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
 class ImageFiles(Dataset):
-    """(uint8 CHW image or None, label, [bad file descriptions]) per index.
+    """(uint8 CHW image or None, label, [BadFile records]) per index.
 
     ``paths`` and ``labels``: the file index's compact arrays (data/file_list.py), which a loader
     worker maps instead of unpickling a copy, or plain lists."""
@@ -54,15 +65,18 @@ class ImageFiles(Dataset):
         try:
             data = read_file(path)
         except OSError as error:
-            raise BadImage(f"{type(error).__name__}: {error.strerror or error}") from None
+            raise FileFailure(os_error_reason(error), f"{type(error).__name__}: {error.strerror or error}") from None
         except ValueError as error:  # a NUL in a name from a hand-made list
-            raise BadImage(str(error)) from None
+            raise FileFailure("unreadable", str(error)) from None
         if not data:
-            raise BadImage("empty file")
-        return self.transform(data)
+            raise FileFailure("undecodable", "empty file")
+        try:
+            return self.transform(data)
+        except BadImage as error:
+            raise FileFailure("undecodable", str(error)) from None
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, list[str]]:
-        bad: list[str] = []
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, list[BadFile]]:
+        bad: list[BadFile] = []
         attempts = MAX_REPLACEMENTS if self.replace_bad else 1
         for attempt in range(attempts):
             current = (index + attempt) % len(self.paths)
@@ -71,11 +85,11 @@ class ImageFiles(Dataset):
                 if not isinstance(image, torch.Tensor):  # planned for the device decoder: it names the file
                     image.name = f"{self.split_dir}/{self.paths[current]}"
                 return image, int(self.labels[current]), bad
-            except BadImage as error:
-                bad.append(f"{self.split_dir}/{self.paths[current]} ({error})")
-        if self.replace_bad:
-            raise BadFileError(f"{MAX_REPLACEMENTS} undecodable files in a row from {self.split_dir}/"
-                               f"{self.paths[index]} on: is the dataset intact?")
+            except FileFailure as failure:
+                bad.append(BadFile(f"{self.split_dir}/{self.paths[current]}", failure.reason, failure.detail,
+                                   own=attempt == 0, row_end=self.replace_bad and attempt == attempts - 1))
+        # Training: no readable file in MAX_REPLACEMENTS tries (a whole folder gone). The sample is
+        # left out of its batch, and the trainer stops before training that batch (bad_data.py).
         return None, int(self.labels[index]), bad
 
 
@@ -103,15 +117,21 @@ def collate(batch: list[tuple[torch.Tensor | None, int, list[str]]]) -> tuple[to
 class CountingLoader:
     """Yields (images, labels) from a DataLoader of ``collate`` batches; notes bad files.
 
-    ``pop_bad_files()`` returns the number met since the last call (the engine sums it over ranks
-    at the end of each epoch).
+    ``tally`` holds this rank's failed files of the pass under way (bad_files.EpochTally);
+    ``pop_epoch()`` hands it over and starts the next (the engine combines the ranks' tallies at
+    the end of each epoch), ``pop_bad_files()`` its count of distinct files.
     """
+
+    # The engine takes a step's batches one step ahead (engine.DeviceBatches), so that the files a
+    # step would train on are counted before the ranks agree to take that step.
+    counts_bad_files = True
 
     def __init__(self, loader: DataLoader, fail: bool, replace_bad: bool | None = None):
         self.loader = loader
         self.fail = fail
-        self.bad_files = 0
+        self.tally = EpochTally()
         self.warned: set[str] = set()
+        self.last_summary = None  # bad_files.Summary of the last pass, over every rank (engine.add_bad_files)
         # Whether a bad file's slot takes another image (training) or is dropped (validation), for
         # batches decoded later on the device; from the dataset (or a shard stream) by default.
         dataset = getattr(loader.dataset, "dataset", loader.dataset)
@@ -123,27 +143,36 @@ class CountingLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels, bad in self.loader:
-            if bad:
-                self.note(bad)
+            dropped = 0 if self.replace_bad else sum(1 for entry in bad if getattr(entry, "own", True))
+            self.note(bad, samples=len(labels) + dropped)
             if len(images) == 0:
                 continue  # validation batch of bad files only: nothing to evaluate
             if not isinstance(images, torch.Tensor):  # an EncodedBatch: its bad files show on the device
                 images.replace_bad, images.on_bad = self.replace_bad, self.note
             yield images, labels
 
-    def note(self, bad: list[str]) -> None:
-        if self.fail:
-            raise BadFileError(f"undecodable image file {bad[0]} (data.on_bad_file=fail; set "
+    def note(self, bad: list[str], samples: int = 0) -> None:
+        """Count a batch of ``samples`` and its bad-file records (also the device decoder's, after
+        the batch: ``samples`` 0); warn for the first few files; stop at once under ``fail``."""
+        if bad and self.fail:
+            raise BadFileError(f"{as_bad_file(bad[0]).reason} image file {bad[0]} (data.on_bad_file=fail; set "
                                f"data.on_bad_file=skip to skip such files)")
-        self.bad_files += len(bad)
-        for entry in bad:
-            if entry not in self.warned:
-                self.warned.add(entry)
-                print(f"hvdtrain: warning: skipping undecodable image file {entry}", file=sys.stderr, flush=True)
+        for record in self.tally.note([as_bad_file(entry) for entry in bad], samples):
+            if len(self.warned) < WARN_FILES:
+                self.warned.add(record)
+                print(f"hvdtrain: warning: skipping {record.reason} image file {record}", file=sys.stderr, flush=True)
+                if len(self.warned) == WARN_FILES:
+                    print("hvdtrain: warning: further bad files are counted in each epoch's line and listed in "
+                          "bad_files.jsonl in output.dir, not named here", file=sys.stderr, flush=True)
+
+    def pop_epoch(self) -> EpochTally:
+        """This rank's tally of the pass just done; the next pass starts from zero."""
+        tally, self.tally = self.tally, EpochTally()
+        return tally
 
     def pop_bad_files(self) -> int:
-        count, self.bad_files = self.bad_files, 0
-        return count
+        """Distinct files that failed in this rank's pass (and start the next from zero)."""
+        return sum(self.pop_epoch().counts())
 
     @property
     def dataset(self) -> Dataset:

@@ -9,17 +9,22 @@ import os
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from torch.utils.data import DataLoader
 
+from .. import launcher
 from ..config import DataConfig
 from .sampler import ShardedSampler
 
-def init_worker(worker_id: int, trainer_pid: int) -> None:
+def init_worker(worker_id: int, trainer_pid: int, quiet: bool = False) -> None:
     """Set up a loader worker.
+
+    A worker of a rank other than 0 (``quiet``) prints no warning: at 512 ranks with 2 workers each,
+    a library's warning would come 1,024 times. Rank 0's workers print theirs.
 
     Workers leave SIGTERM/SIGUSR1 to the training process, which stops at a step boundary and
     checkpoints; a worker killed by the same signal would fail the next batch first. In exchange
@@ -28,6 +33,8 @@ def init_worker(worker_id: int, trainer_pid: int) -> None:
     """
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    if quiet:
+        warnings.simplefilter("ignore")
 
     def exit_with_trainer() -> None:
         while True:
@@ -61,7 +68,7 @@ FORKSERVER_PRELOAD = ["torch", "torchvision", "hvdtrain.data.loaders"]
 def loader_kwargs(data: DataConfig, pin_memory: bool) -> dict:
     kwargs: dict = {"num_workers": data.workers, "pin_memory": pin_memory}
     if data.workers > 0:
-        kwargs["worker_init_fn"] = functools.partial(init_worker, trainer_pid=os.getpid())
+        kwargs["worker_init_fn"] = functools.partial(init_worker, trainer_pid=os.getpid(), quiet=launcher.rank() != 0)
         kwargs["persistent_workers"] = True
         kwargs["prefetch_factor"] = data.prefetch_factor
         # Forking a process that has initialized MPI/NCCL/CUDA is unsafe; forkserver forks from a

@@ -44,7 +44,7 @@ class Ratings:
     timestamps: np.ndarray   # int64
     user_ids: np.ndarray     # int64 raw ids, increasing
     item_ids: np.ndarray
-    skipped: int = 0         # malformed lines skipped (data.on_bad_line=skip)
+    skipped: int = 0         # malformed lines skipped (recommendation.on_bad_line=skip)
 
     @property
     def num_users(self) -> int:
@@ -142,7 +142,7 @@ def parse_ratings(path: Path, fmt: str, on_bad_line: str = "fail",
                         problem = f"timestamp '{stamp[:20]}' is not an integer"
             if problem is not None:
                 if on_bad_line != "skip":
-                    raise DataError(f"{path}, line {number}: {problem} (fix the file, or set data.on_bad_line=skip "
+                    raise DataError(f"{path}, line {number}: {problem} (fix the file, or set recommendation.on_bad_line=skip "
                                     f"to skip such lines)")
                 skipped += 1
                 if warn is not None and skipped <= 3:

@@ -174,7 +174,23 @@ def read_manifest(root: str) -> Manifest:
         counts = np.array([shard["images"] for shard in shards], dtype=np.int64)
         return Split([shard["name"] for shard in shards], counts, np.concatenate([[0], np.cumsum(counts)]))
 
-    return Manifest(root, list(payload["classes"]), split("train"), split("val"))
+    manifest = Manifest(root, list(payload["classes"]), split("train"), split("val"))
+    if not is_url(root):
+        check_shards_present(manifest)
+    return manifest
+
+
+def check_shards_present(manifest: Manifest) -> None:
+    """One line, before any loader starts, where shards the manifest lists are not there (a volume
+    not mounted, a copy cut short); a shard that vanishes later fails the batch that reads it."""
+    import os
+
+    names = manifest.train.names + manifest.val.names
+    missing = [name for name in names if not os.path.isfile(join(manifest.root, name))]
+    if missing:
+        raise DataError(f"{len(missing)} of the {len(names)} shards that {join(manifest.root, MANIFEST)} lists are "
+                        f"missing, e.g. {join(manifest.root, missing[0])}: restore them (a volume not mounted?) or "
+                        f"prepare the shards again")
 
 
 def bucket_or_manifest(root: str, error: FileNotFoundError) -> DataError:

@@ -280,7 +280,9 @@ class ImageClassification(Task):
         return {} if self.shard_stream is None else {"shard_loader": self.shard_stream}
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        return {"arch": self.cfg.model.arch, "num_classes": self.num_classes}
+        # The class folders, in label order: a resume where one has vanished stops (run.resume).
+        classes = {"classes": list(self.index.train.classes)} if self.index is not None else {}
+        return {"arch": self.cfg.model.arch, "num_classes": self.num_classes, **classes}
 
     def bench_batches(self, count: int, rank: int) -> SyntheticBatches:
         cfg = self.cfg

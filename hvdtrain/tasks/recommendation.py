@@ -3,9 +3,10 @@
 Data: a MovieLens folder (``data.dir``: ratings.csv, u.data or ratings.dat) or, with ``data.dir``
 empty, the built-in generated dataset (about ml-latest-small's size). Models: matrix
 factorization with biases (``model.arch=mf``) or NCF (``ncf``). Objectives
-(``model.objective``): explicit ratings, scored by RMSE and MAE next to the global-mean baseline;
-implicit feedback with ``data.negatives`` sampled negatives per positive, scored by HR@10 and
-NDCG@10 over ``data.eval_negatives`` + 1 candidates next to the popularity baseline.
+(``recommendation.objective``): explicit ratings, scored by RMSE and MAE next to the global-mean
+baseline; implicit feedback with ``recommendation.negatives`` sampled negatives per positive, scored
+by HR@10 and NDCG@10 over ``recommendation.eval_negatives`` + 1 candidates next to the popularity
+baseline. The task's own keys: the ``recommendation`` section (recommendation_settings.py).
 
 Every metric comes from float64 sums over every validation rating (explicit) or held-out item
 (implicit) exactly once, whatever the number of ranks (``ShardedSampler`` without padding).
@@ -29,7 +30,8 @@ from ..data.loaders import Loaders
 from ..data.movielens import GENERATED_VERSION, Split, ensure_generated_dataset, load_split
 from ..data.ratings import (ExplicitRatings, ImplicitPairs, PairSet, RankedCandidates, SampledBatches)
 from ..data.sampler import ShardedSampler
-from . import DataEnv, Task
+from .base import DataEnv, Task
+from .recommendation_settings import RecommendationSettings
 from .recommender_models import NCF, MatrixFactorization, parse_layers
 
 EXPLICIT_FIELDS = ("loss_sum", "squared_error", "absolute_error", "baseline_squared_error",
@@ -127,6 +129,7 @@ def save_id_map(run_dir: Path, id_map: IdMap) -> None:
 
 class Recommendation(Task):
     name = "recommendation"
+    settings_class = RecommendationSettings
     sum_fields = EXPLICIT_FIELDS
     # Both objectives' metrics: a run reports one set or the other. The baselines are reported to
     # compare with, and have a direction too.
@@ -139,7 +142,7 @@ class Recommendation(Task):
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self.implicit = cfg.model.objective == "implicit"
+        self.implicit = self.settings.objective == "implicit"
         if self.implicit:
             self.sum_fields, self.best_metric, self.higher_is_better = IMPLICIT_FIELDS, "hr10", True
         self.split: Split | None = None
@@ -157,7 +160,7 @@ class Recommendation(Task):
             return ensure_generated_dataset(cache_root() / "datasets" / f"movielens-{GENERATED_VERSION}")
 
     def build_loaders(self, env: DataEnv) -> Loaders:
-        cfg, data = self.cfg, self.cfg.data
+        cfg, data = self.cfg, self.settings
         folder = self.dataset_folder(env)
         # One process per host parses and writes the cache; the others then read it.
         with env.local_rank_zero_first():
@@ -168,8 +171,8 @@ class Recommendation(Task):
         ratings = split.ratings
         train, val = split.train_index, split.val_index
         if len(val) == 0:
-            raise DataError(f"{split.source}: no validation ratings with data.split={data.split} (every user "
-                            f"has a single rating?); use data.split=random")
+            raise DataError(f"{split.source}: no validation ratings with recommendation.split={data.split} "
+                            f"(every user has a single rating?); use recommendation.split=random")
         self.global_mean = float(ratings.ratings[train].astype(np.float64).mean())
         self.references = {} if self.implicit else bias_baseline(split, self.global_mean)
         self.id_map = IdMap(ratings.user_ids, ratings.item_ids, str(split.source))
@@ -200,7 +203,7 @@ class Recommendation(Task):
         where = f"cache {split.cache_path}" if split.from_cache else f"parsed ({split.fmt})"
         skipped = f", {ratings.skipped} bad lines skipped" if ratings.skipped else ""
         return (f"ratings {split.source}: {len(ratings)} ratings, {ratings.num_users} users, {ratings.num_items} "
-                f"items, {len(split.val_index)} for validation ({self.cfg.data.split}); {where} in "
+                f"items, {len(split.val_index)} for validation ({self.settings.split}); {where} in "
                 f"{split.seconds:.2f}s{skipped}")
 
     def bench_batches(self, count: int, rank: int) -> list:
@@ -221,9 +224,9 @@ class Recommendation(Task):
 
     def build_model(self) -> torch.nn.Module:
         assert self.split is not None
-        cfg, ratings = self.cfg.model, self.split.ratings
+        cfg, ratings = self.settings, self.split.ratings
         sparse = cfg.sparse_embeddings
-        if cfg.arch == "mf":
+        if self.cfg.model.arch == "mf":
             # Explicit: start from the global mean; implicit: from a logit of 0.
             self.model = MatrixFactorization(ratings.num_users, ratings.num_items, cfg.embedding_dim, sparse,
                                              0.0 if self.implicit else self.global_mean)
@@ -250,7 +253,7 @@ class Recommendation(Task):
             loss = F.binary_cross_entropy_with_logits(outputs, labels)
         else:
             loss = F.binary_cross_entropy_with_logits(outputs, targets.to(outputs.dtype))
-        l2 = self.cfg.model.embedding_l2
+        l2 = self.settings.embedding_l2
         if training and l2 > 0 and self.model is not None:
             loss = loss + l2 * self.model.penalty
         return loss
@@ -276,7 +279,7 @@ class Recommendation(Task):
 
     def reference_metrics(self) -> dict[str, Any]:
         # The split with every validation record: two runs' records say whether they compare.
-        data = self.cfg.data
+        data = self.settings
         split = {"val_split": data.split, "val_split_seed": self.cfg.seed}
         if data.split == "random":
             split["val_split_fraction"] = data.split_fraction
@@ -286,12 +289,12 @@ class Recommendation(Task):
 
     def describe(self, loaders: Loaders) -> str:
         assert self.split is not None
-        cfg, ratings = self.cfg, self.split.ratings
-        model = f"{cfg.model.arch} ({cfg.model.objective}, dim {cfg.model.embedding_dim}" + \
-            (f", mlp {cfg.model.mlp_layers}" if cfg.model.arch == "ncf" else "") + ")"
+        cfg, own, ratings = self.cfg, self.settings, self.split.ratings
+        model = f"{cfg.model.arch} ({own.objective}, dim {own.embedding_dim}" + \
+            (f", mlp {own.mlp_layers}" if cfg.model.arch == "ncf" else "") + ")"
         gradients = ("sparse gradients as dense" if cfg.dist.sparse_as_dense else "sparse gradients (allgather)") \
-            if cfg.model.sparse_embeddings else "dense gradients"
-        samples = f"{loaders.train_size} train samples ({cfg.data.negatives} negatives per positive)" \
+            if own.sparse_embeddings else "dense gradients"
+        samples = f"{loaders.train_size} train samples ({own.negatives} negatives per positive)" \
             if self.implicit else f"{loaders.train_size} train ratings"
         return (f"{model} over {ratings.num_users} users x {ratings.num_items} items, {samples} / "
                 f"{loaders.val_size} val, {gradients}, {cfg.optim.name}")
@@ -316,7 +319,8 @@ class Recommendation(Task):
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         ratings = self.split.ratings if self.split is not None else None
-        return {"arch": self.cfg.model.arch, "objective": self.cfg.model.objective,
+        own = self.settings
+        return {"arch": self.cfg.model.arch, "objective": own.objective,
                 "num_users": ratings.num_users if ratings else 0, "num_items": ratings.num_items if ratings else 0,
-                "global_mean": self.global_mean, "val_split": self.cfg.data.split, "val_split_seed": self.cfg.seed,
-                "val_split_fraction": self.cfg.data.split_fraction if self.cfg.data.split == "random" else None}
+                "global_mean": self.global_mean, "val_split": own.split, "val_split_seed": self.cfg.seed,
+                "val_split_fraction": own.split_fraction if own.split == "random" else None}

@@ -82,7 +82,7 @@ class NCF(nn.Module):
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
-    """``model.mlp_layers``: "64,32,16" -> (64, 32, 16)."""
+    """``recommendation.mlp_layers``: "64,32,16" -> (64, 32, 16)."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
         raise ValueError(text)

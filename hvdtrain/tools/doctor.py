@@ -18,6 +18,13 @@
    comparable across rank counts and approaches the link bandwidth for ring allreduce.
    Each launch has a deadline (--bench-timeout, 90 s); a launch still running then is ended with
    everything it started, and one line says how far it got and what to try.
+3. The known traps, one line each with the fix (doctor_checks.py): GPU operations without a GPU
+   driver, a package a host cannot import or has in another version, an elastic start on one host,
+   and with ``--config``/``key=value``: data.dir missing on a host, output.dir not writable or
+   short of space for the checkpoints, and each host's read speed of the data folder.
+
+Inside a Slurm allocation (``salloc``, ``sbatch``, ``srun ... hvdtrain doctor``) without -H, the
+hosts are the allocation's and the probe runs on each with srun instead of ssh.
 
 Internal modes (run by the doctor itself on each host): ``--probe`` prints the host's facts as
 one JSON line; ``--bench`` runs the timing loop under a launcher and rank 0 prints the results.
@@ -35,11 +42,16 @@ import shlex
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError, load_config
+from . import doctor_checks as checks
 from .allreduce import bench, print_bandwidth, run_bench
+# The doctor's names, as tests and the CLI know them: the host list and the probe's facts live apart.
+from .doctor_checks import gloo_launcher_hides_env, secrets_note  # noqa: F401
+from .doctor_hosts import (DoctorError, Host, check_host_name, extra_task, parse_hosts, pick_hosts,  # noqa: F401
+                           read_hostfile, srun_probe_command)
 from .process import run_with_deadline
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -49,66 +61,7 @@ PROBE_SECONDS = 90
 COMPARED = ("python", "torch", "horovod", "hvdtrain", "built")
 
 
-class DoctorError(Exception):
-    """A problem with the doctor's own arguments (bad host list, unreadable hostfile)."""
-
-
-@dataclass
-class Host:
-    name: str
-    slots: int
-    facts: dict[str, Any] = field(default_factory=dict)
-    problem: str = ""
-    address: str | None = None  # the name resolved here, as ssh and the launchers resolve it
-
-
 # --- arguments ---------------------------------------------------------------------------------
-def check_host_name(name: str, where: str) -> str:
-    """``name``, unless ssh or mpirun would read it as an option (``-oProxyCommand=...`` runs a
-    command), or a shell would read part of it: horovodrun runs ``ssh <host> ...`` through a shell."""
-    if name.startswith("-"):
-        raise DoctorError(f"{where}: host name '{name}' starts with '-', which ssh and mpirun would read as an "
-                          "option: remove it or correct the name")
-    odd = sorted(set(re.sub(r"[A-Za-z0-9._@-]", "", name)))
-    if odd:
-        raise DoctorError(f"{where}: host name '{name}' holds {' '.join(repr(c) for c in odd)}, which no host name "
-                          "has (letters, digits, '.', '-', '_', user@host): correct the name")
-    return name
-
-
-def parse_hosts(spec: str) -> list[Host]:
-    """``node0:2,node1:2`` (slots default to 1) -> hosts, as horovodrun's -H reads it."""
-    hosts = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, _, slots = item.partition(":")
-        if not name or (slots and not slots.isdigit()) or slots == "0":
-            raise DoctorError(f"bad host '{item}' in -H: expected host or host:slots, e.g. node0:8,node1:8")
-        hosts.append(Host(check_host_name(name, "-H"), int(slots or 1)))
-    if not hosts:
-        raise DoctorError("no hosts given: use -H node0:1,node1:1 or --hostfile FILE")
-    return hosts
-
-
-def read_hostfile(path: Path) -> list[Host]:
-    """Lines ``host slots=N`` (horovodrun and Open MPI's format); ``#`` starts a comment."""
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise DoctorError(f"cannot read hostfile {path}: {error.strerror}") from None
-    hosts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"(\S+)(?:\s+slots\s*=\s*(\d+))?(?:\s+max_slots\s*=\s*\d+)?", line)
-        if not match or match.group(2) == "0":
-            raise DoctorError(f"{path}:{number}: expected 'host slots=N', got '{line}'")
-        hosts.append(Host(check_host_name(match.group(1), f"{path}:{number}"), int(match.group(2) or 1)))
-    if not hosts:
-        raise DoctorError(f"hostfile {path} lists no hosts")
-    return hosts
-
-
 def parse_sizes(spec: str) -> list[int]:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
@@ -122,7 +75,7 @@ def parse_sizes(spec: str) -> list[int]:
 
 
 # --- step 1: facts per host --------------------------------------------------------------------
-def local_facts() -> dict[str, Any]:
+def local_facts(data_dir: str | None = None, output_dir: str | None = None) -> dict[str, Any]:
     """What this host has, as one JSON-able dict (run on every host by ``--probe``)."""
     import psutil
     import torch
@@ -145,29 +98,8 @@ def local_facts() -> dict[str, Any]:
         "horovod": dist.version(), "hvdtrain": hvdtrain.__version__,
         "hvdtrain_path": str(Path(hvdtrain.__file__).parent), "gpus": gpus, "built": dist.built(),
         "interfaces": interfaces, "hostname_problem": launcher.hostname_problem(),
-        "gloo_hides_env": gloo_launcher_hides_env(),
+        "gloo_hides_env": gloo_launcher_hides_env(), **checks.probe_facts(data_dir, output_dir),
     }
-
-
-def gloo_launcher_hides_env() -> bool:
-    """Whether this Horovod's ``horovodrun --gloo`` keeps the environment's values out of the
-    ranks' command lines (third_party/horovod-0.28.1.patch). A stock Horovod 0.28.1 starts every
-    rank as ``sh -c 'env K=V ... python ...'`` with the whole environment, API keys included."""
-    try:
-        from horovod.runner import gloo_run
-    except ImportError:
-        return True  # no horovodrun: nothing to expose
-    return hasattr(gloo_run, "rank_env_vars")
-
-
-def secrets_note(hosts: list[Host]) -> str | None:
-    """One line naming the hosts whose horovodrun --gloo would show secrets to every user, or None."""
-    exposed = [h.name for h in hosts if h.facts and not h.facts.get("gloo_hides_env", True)]
-    if not exposed:
-        return None
-    return (f"note: {', '.join(exposed)}: this Horovod's horovodrun --gloo puts every environment value (API keys, "
-            f"passwords) in the ranks' command lines, which any user of the host reads with ps: install Horovod "
-            f"with hvdtrain's patch (make setup), or launch with mpirun -x NAME or srun (docs/launching.md)")
 
 
 def is_local(name: str) -> bool:
@@ -193,19 +125,32 @@ def ssh_command(host: str, remote: str, port: int | None, identity: str | None, 
     return cmd + ["--", host, remote]  # '--': the host is never an option, whatever its name
 
 
+def probe_folders(args: argparse.Namespace) -> list[str]:
+    """The run's folders for the probe to check, from ``--config``/``key=value`` (none without)."""
+    cfg = args.cfg
+    if cfg is None:
+        return []
+    return (["--data-dir", cfg.data.dir] if cfg.data.dir and not cfg.data.synthetic else []) + \
+        ["--output-dir", cfg.output.dir]
+
+
 def probe_host(host: Host, args: argparse.Namespace) -> None:
     """Fill ``host.facts`` (or ``host.problem``) by running ``--probe`` there."""
     python = sys.executable
     forwarded = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
-    if is_local(host.name):
-        cmd = [python, "-m", "hvdtrain", "doctor", "--probe"]
+    probe = [python, "-m", "hvdtrain", "doctor", "--probe", *probe_folders(args)]
+    if args.slurm:  # inside an allocation: a step on that node, not ssh (which may be closed)
+        cmd = srun_probe_command(host.name, probe)
+    elif is_local(host.name):
+        cmd = probe
     else:
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded.items())
-        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} {shlex.quote(python)} -m hvdtrain doctor --probe"
+        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} {shlex.join(probe)}"
         cmd = ssh_command(host.name, remote, args.ssh_port, args.ssh_identity_file, args.connect_timeout)
-    result = run_with_deadline(cmd, args.connect_timeout + PROBE_SECONDS)
+    result = run_with_deadline(cmd, args.connect_timeout + PROBE_SECONDS + checks.READ_SECONDS)
     if result.timed_out:
-        host.problem = f"no answer within {args.connect_timeout + PROBE_SECONDS}s (ssh or Python hangs)"
+        host.problem = f"no answer within {args.connect_timeout + PROBE_SECONDS + checks.READ_SECONDS:g}s " \
+                       f"({'srun' if args.slurm else 'ssh'} or Python hangs)"
         return
     last_error = (result.stderr.strip().splitlines() or ["no output"])[-1]
     if result.returncode == 255:
@@ -318,6 +263,9 @@ def parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="host:slots,... as for horovodrun (default: localhost:2)")
     where.add_argument("--hostfile", type=Path, help="file of 'host slots=N' lines")
+    where.add_argument("--host-discovery-script", help="the elastic job's script (prints host:slots lines)")
+    p.add_argument("--config", help="the run's config: check its data.dir, output.dir and checkpoint size too")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port on all hosts (default: ssh's own configuration)")
     p.add_argument("-i", "--ssh-identity-file", help="ssh private key")
     p.add_argument("--network-interfaces", help="interfaces for horovodrun, e.g. eth0 or ib0 "
@@ -333,21 +281,51 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bench", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--devices", default="cpu", help=argparse.SUPPRESS)  # for --bench: cpu or cpu,cuda
+    p.add_argument("--data-dir", help=argparse.SUPPRESS)  # for --probe: the folders to check
+    p.add_argument("--output-dir", help=argparse.SUPPRESS)
     return p
+
+
+def trap_lines(hosts: list[Host], args: argparse.Namespace) -> list[str]:
+    """The known traps (doctor_checks): the problems are returned, the other lines printed."""
+    problems = checks.host_problems(hosts)
+    elastic = bool(args.host_discovery_script) or bool(args.cfg and args.cfg.elastic.enabled)
+    line = checks.elastic_problem(hosts, elastic, args.network_interfaces)
+    problems += [line] if line else []
+    if args.cfg is not None:
+        try:
+            estimate = checks.checkpoint_estimate(args.cfg)
+        except Exception as error:  # an estimate is advice: a model that cannot be built says so at training
+            estimate = None
+            print(f"checkpoint size not estimated ({type(error).__name__}: {str(error)[:100]})")
+        line, short = checks.disk_line(hosts, estimate, args.cfg.checkpoint.keep)
+        if short:
+            problems.append(line)
+        elif line:
+            print(line)
+    for line in checks.read_speed_lines(hosts):
+        print(line)
+    return problems
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.probe:
-        print(json.dumps(local_facts()), flush=True)
+        print(json.dumps(local_facts(args.data_dir, args.output_dir)), flush=True)
         return 0
+    if extra_task(os.environ):
+        return 0  # `srun -N4 hvdtrain doctor`: the first task checks every node, the others have nothing to add
     sizes = parse_sizes(args.sizes)
     if args.bench:
         bench(sizes, args.iters, args.warmup, args.devices.split(","), args.bench_timeout)
         return 0
-    hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts or "localhost:2")
+    hosts = pick_hosts(args)
     if len({h.name for h in hosts}) != len(hosts):
         raise DoctorError("a host is listed twice: give each host once with its slot count")
+    try:
+        args.cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
+    except ConfigError as error:
+        raise DoctorError(str(error)) from None
 
     print(f"hvdtrain doctor: {len(hosts)} host(s), {sum(h.slots for h in hosts)} slot(s)", flush=True)
     for host in hosts:
@@ -365,7 +343,7 @@ def main(argv: list[str]) -> int:
     line = None if args.network_interfaces else interface_line(chosen, choices)
     if line:
         print(line)
-    problems = compare_hosts(hosts)
+    problems = compare_hosts(hosts) + trap_lines(hosts, args)
     for host in reachable:
         if host.facts["gpus"] and host.slots > len(host.facts["gpus"]):
             print(f"note: {host.name} has {host.slots} slots but {len(host.facts['gpus'])} GPU(s): ranks would share GPUs")

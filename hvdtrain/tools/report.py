@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data import DataError
 from ..phases import LABELS, PHASES
+from ..rank_logs import RANKS_FILE, attach_rank_detail, rank_ranges
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -37,7 +38,7 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
             raise DataError(f"{path}:{number} is not a JSON line (the file is damaged)") from None
     if not records:
         raise DataError(f"{path} is empty: the run has not finished an epoch yet")
-    return records
+    return attach_rank_detail(records, run_dir)  # by_rank, every straggler (older runs: inline)
 
 
 def by_split(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -84,8 +85,9 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
     stragglers = [(int(r["epoch"]) + 1, s) for r in train for s in r.get("stragglers", [])]
     if stragglers:
         ranks = sorted({s["rank"] for _, s in stragglers})
-        lines.append(f"stragglers: rank(s) {', '.join(map(str, ranks))} in {len({e for e, _ in stragglers})} of "
-                     f"{len(train)} epochs (see metrics.jsonl 'stragglers')")
+        lines.append(f"stragglers: rank(s) {rank_ranges(ranks).replace(',', ', ')} in {len({e for e, _ in stragglers})} of "
+                     f"{len(train)} epochs (see {RANKS_FILE if (run_dir / RANKS_FILE).is_file() else 'metrics.jsonl'} "
+                     f"'stragglers')")
     used = [r for r in train if "cpu_percent" in r]
     if used:
         last = used[-1]

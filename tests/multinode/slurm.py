@@ -87,7 +87,8 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire also holds a requeued job back (120 s by default): 10 s keeps requeue tests short.
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"SlurmctldPort={ctld_port}",
             f"SlurmdPort={slurmd_port}",
             f"StateSaveLocation={self.workdir / 'state'}",

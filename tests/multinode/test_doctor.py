@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -82,3 +83,17 @@ def test_doctor_ends_a_launch_at_its_deadline_and_says_how_far_it_got(two_nodes,
     while bench_processes(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert bench_processes(tmp_path) == []
+
+
+def test_doctor_inside_a_slurm_allocation_probes_its_nodes_with_srun(slurm_cluster, tmp_path):
+    """`srun -n2 python -m hvdtrain doctor` in a batch job: no -H, the allocation's node (with its 2
+    tasks as slots), probed by a step of the job itself; the second task leaves at once."""
+    script = tmp_path / "doctor.sbatch"
+    script.write_text(f"#!/bin/sh\nexec srun --nodes=1 --ntasks=2 {BIN / 'python'} -m hvdtrain doctor --skip-bench\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    job, state, out = slurm_cluster.sbatch(script, [], tmp_path, env, ["--ntasks=2", "--nodes=1"], timeout=400)
+    assert state == "COMPLETED", out
+    assert f"hvdtrain doctor: in Slurm job {job}: its 1 node(s), probed with srun" in out, out
+    assert out.count("hvdtrain doctor: 1 host(s), 2 slot(s)") == 1, out  # one doctor for the step's two tasks
+    assert re.search(rf"^{slurm_cluster.node}\s+2\s+3\.\d+\.\d+\s", out, re.M), out
+    assert "hosts OK (bandwidth not measured: --skip-bench)" in out, out

@@ -1,6 +1,7 @@
 """Where a run's threads are allowed to run (runtime.cpu_affinity), for tests/parallel/test_placement.py.
 
-Usage (under a launcher): affinity_probe.py [key=value ...]. Sets a tiny synthetic run up as
+Usage (under a launcher): affinity_probe.py [key=value ...]; with AFFINITY_PROBE_HOLD=FILE in the
+environment, each rank stays up, bound, until FILE exists. Sets a tiny synthetic run up as
 training does (hvdtrain.run.setup: Horovod's threads, the loaders, the model) and prints one JSON
 line per rank: the cores each of its threads may run on, and torch's thread count.
 """
@@ -8,6 +9,7 @@ line per rank: the cores each of its threads may run on, and torch's thread coun
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -22,4 +24,9 @@ threads = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/p
 line = json.dumps({"rank": dist.rank(), "local_rank": dist.local_rank(), "torch_threads": torch.get_num_threads(),
                    "threads": threads})
 sys.stdout.write(line + "\n")  # one write: mpirun may interleave the two writes of print()
+sys.stdout.flush()
+hold = os.environ.get("AFFINITY_PROBE_HOLD")  # a file: stay bound until it exists (a job already running)
+deadline = time.monotonic() + 300
+while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+    time.sleep(0.2)
 dist.shutdown()

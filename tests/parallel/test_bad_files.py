@@ -48,7 +48,8 @@ def test_two_ranks_skip_bad_files_in_step(tmp_path):
     run_dir = tmp_path / "run"
     result = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "probe"), "--config", "debug",
                                            f"data.dir={data}", f"output.dir={run_dir}", "train.steps_per_epoch=0",
-                                           "output.tensorboard=false"], tmp_path)
+                                           # 4 bad files of 32 (12.5%): past the default limit of 1%
+                                           "data.max_bad_fraction=0.2", "output.tensorboard=false"], tmp_path)
     ranks = [torch.load(tmp_path / "probe" / f"rank{r}.pt", weights_only=False) for r in range(2)]
     # 32 files / (2 ranks x 8) = 2 steps per epoch on both ranks, 2 epochs.
     assert ranks[0]["step"] == ranks[1]["step"] == 4
@@ -64,9 +65,15 @@ def test_two_ranks_skip_bad_files_in_step(tmp_path):
     assert [r["samples"] for r in val] == [12, 12]   # every decodable val image once, bad ones dropped
     summary = [line for line in result.stdout.splitlines() if "epoch 2/2" in line]
     assert summary and "bad files skipped: 4 train / 2 val" in summary[0]
-    for name in ("zz_truncated.JPEG", "zz_empty.JPEG", "zz_text.JPEG", "zz_garbage.png"):
-        assert f"skipping undecodable image file {data}/train/" in result.stderr + result.stdout
-        assert name in result.stderr + result.stdout, name
+    assert f"skipping undecodable image file {data}/train/" in result.stderr + result.stdout
+    # Each rank names its first three; bad_files.jsonl lists every one, per epoch and split.
+    listed = [json.loads(line) for line in (run_dir / "bad_files.jsonl").read_text().splitlines()]
+    for epoch in (0, 1):
+        train_names = sorted(Path(e["path"]).name for e in listed if e["epoch"] == epoch and e["split"] == "train")
+        assert train_names == ["zz_empty.JPEG", "zz_garbage.png", "zz_text.JPEG", "zz_truncated.JPEG"]
+        assert sorted(Path(e["path"]).name for e in listed if e["epoch"] == epoch and e["split"] == "val") == \
+            ["zz_empty.JPEG", "zz_truncated.JPEG"]
+    assert {e["reason"] for e in listed} == {"undecodable"}
 
 
 def test_on_bad_file_fail_stops_naming_the_file(tmp_path):

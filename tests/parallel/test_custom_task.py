@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.helpers import BIN, PROBE, REPO, job_env, launch, wait_for_line
 
@@ -73,6 +74,9 @@ def test_a_task_from_a_file_trains_on_two_ranks_with_identical_parameters(straig
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert saved["task"] == {"name": "tabular", "hidden": 32, "numeric": 8, "levels": 4, "classes": 3}
     assert saved["config"]["task"] == TASK
+    # The task's own settings (its section, named after it) are recorded in checkpoints and config.yaml.
+    assert saved["config"]["tabular"] == {"hidden": 32, "noise": 0.05}
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["tabular"] == {"hidden": 32, "noise": 0.05}
 
 
 def test_mid_epoch_resume_is_bitwise_identical(straight, work):
@@ -92,7 +96,7 @@ def test_mid_epoch_resume_is_bitwise_identical(straight, work):
 
 
 def test_the_python_api_stops_on_sigterm_and_resumes_under_mpirun(work):
-    # examples/custom_task/train.py: hvdtrain.fit(TabularTask(hidden=32), config.yaml, overrides),
+    # examples/custom_task/train.py: hvdtrain.fit(TabularTask, config.yaml, overrides),
     # then hvdtrain.evaluate of the last checkpoint on the same ranks. First one process, stopped by
     # SIGTERM in its second epoch: a checkpoint and exit 75, as python -m hvdtrain does.
     program = [str(work / "elsewhere" / "train.py"), f"data.dir={work / 'rows'}", f"output.dir={work / 'api'}",
@@ -130,12 +134,15 @@ def test_validation_on_three_ranks_counts_every_row_once(work):
     train = [r for r in read_metrics(run_dir) if r["split"] == "train"][-1]
     assert (val["samples"], train["samples"]) == (101, 12 * 3 * 16)
     # The same checkpoint scored here, in one process, row by row.
-    from hvdtrain.config import from_dict
+    from hvdtrain.config import from_dict, validate
     from hvdtrain.tasks import task_class
 
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    cfg = from_dict(saved["config"])
+    # A recorded config imports nothing until the task it names is named here (tasks.checkpoint_task).
+    cfg = from_dict(saved["config"], stored=True)
     cfg.task = str(work / TASK)
+    validate(cfg)
+    assert cfg.tabular.hidden == 32
     task = task_class(cfg.task)(cfg)
     model = task.build_model()
     model.load_state_dict(saved["model"])

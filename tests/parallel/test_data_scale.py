@@ -30,6 +30,8 @@ def test_data_scale_benchmark_measures_every_row(tmp_path):
         assert len(row["load_s"]) == 2 and all(0 < s < 30 for s in row["load_s"])
         assert len(row["broadcast_mapped_s"]) == len(row["broadcast_sent_s"]) == 1
         assert row["sampler_drawn"] == math.ceil(row["n"] / 8) and len(row["sampler_start_s"]) == 2
+        assert len(row["sampler_first_start_s"]) == len(row["sampler_next_start_s"]) == 1
+        assert len(row["sampler_peak"]) == len(row["sampler_draw_s"]) == 2
         # The loader drew its batches: 3 of 4 samples; without files (synthetic) each one a bad file.
         assert row["samples"] == 12 and row["bad_files"] == (12 if synthetic else 0)
         assert all(p > 100 << 20 for p in row["pss_peak"]) and row["loader_iter_s"][0] >= 0
@@ -37,3 +39,21 @@ def test_data_scale_benchmark_measures_every_row(tmp_path):
             assert row["processes"] >= 4 and row["worker_private"][0] > 1 << 20 and len(row["per_worker"]) == 1
     assert f"{2000:,} (synthetic) | 2 |" in done.stdout
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("hvdtrain-data-scale-")]  # cleaned up
+
+
+def test_sampler_rows_alone_alternate_two_versions(tmp_path):
+    # --sampler-only needs no folder; --sampler-before runs another sampler module (here the same
+    # file) in turn with this one. 200k samples: enough for the next epoch to be drawn ahead.
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "200k", "--sampler-only",
+                           "--sampler-before", str(REPO / "hvdtrain" / "data" / "sampler.py"), "--runs", "1",
+                           "--root", str(tmp_path), "--json", str(out)],
+                          cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["n"], r["version"]) for r in rows] == [(200_000, "before"), (200_000, "after")]
+    for row in rows:
+        assert row["sampler_drawn"] == 25_000 and len(row["sampler_start_s"]) == 2
+        assert len(row["sampler_first_start_s"]) == len(row["sampler_next_start_s"]) == 1
+        assert len(row["sampler_peak"]) == len(row["sampler_draw_s"]) == 2 and all(p > 0 for p in row["sampler_peak"])
+    assert "200,000 (before) | " in done.stdout and "sampler next start s" in done.stdout

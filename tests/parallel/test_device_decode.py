@@ -75,7 +75,7 @@ def test_bad_files_are_counted_as_on_the_cpu_path(tmp_path):
         run_dir = tmp_path / decoder
         launch("horovodrun-gloo", 2, ["-m", "hvdtrain", "--config", "debug", f"data.dir={data}",
                                       f"output.dir={run_dir}", f"data.decoder={decoder}", "train.steps_per_epoch=0",
-                                      "output.tensorboard=false"], tmp_path)
+                                      "data.max_bad_fraction=0.2", "output.tensorboard=false"], tmp_path)
         records = read_metrics(run_dir)
         counts[decoder] = [(r["split"], r["samples"], r["bad_files"]) for r in records]
     assert counts["nvimgcodec"] == counts["cpu"] == [("train", 32, 4), ("val", 12, 2)] * 2

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hvdtrain.data.demo import class_names
 from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, rank_pids, start_job, wait_for_line
 
 # These tests need autocast's state (the GradScaler) but not learning. Without bf16/fp16 instructions
@@ -60,11 +61,31 @@ def resume_from(tiny_data: Path, straight_dir: Path, checkpoint: str, tmp: Path)
     return states[0]
 
 
+def train_records(run_dir: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["epoch"]: r for r in records if r["split"] == "train"}
+
+
+def assert_whole_epochs(run_dir: Path, straight_dir: Path, epochs: list[int]) -> None:
+    """Every epoch's train record, an interrupted and resumed one too, covers the whole epoch, with
+    the uninterrupted run's loss (the same sums, added in another order)."""
+    resumed, expected = train_records(run_dir), train_records(straight_dir)
+    assert sorted(resumed) == epochs and sorted(expected) == [0, 1, 2]
+    for epoch, record in resumed.items():
+        assert record["samples"] == expected[epoch]["samples"] == 64, (epoch, record["samples"])  # 4 steps of 16
+        assert record["loss"] == pytest.approx(expected[epoch]["loss"], rel=1e-9, abs=0), epoch
+        assert record["top1"] == expected[epoch]["top1"], epoch
+
+
 @pytest.mark.parametrize("checkpoint", ["step-00000003.pt", "step-00000008.pt"],
                          ids=["mid-epoch", "epoch-end"])
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(checkpoint, straight, tiny_data, tmp_path):
     straight_dir, expected = straight
     assert_bitwise_equal(resume_from(tiny_data, straight_dir, checkpoint, tmp_path), expected)
+    if checkpoint == "step-00000003.pt":  # 3 of epoch 1's 4 steps (48 of 64 samples) were trained by the first job
+        carried = torch.load(straight_dir / "checkpoints" / checkpoint, weights_only=True)["train_sums"]
+        assert carried[-1] == 48  # the image task's sums end with the sample count
+    assert_whole_epochs(tmp_path / "run", straight_dir, [0, 1, 2] if checkpoint == "step-00000003.pt" else [2])
 
 
 def test_checkpoint_contents_and_retention(straight):
@@ -75,7 +96,7 @@ def test_checkpoint_contents_and_retention(straight):
     saved = torch.load(directory / "step-00000003.pt", weights_only=True)
     assert (saved["epoch"], saved["step_in_epoch"], saved["samples_in_epoch"], saved["step"]) == (0, 3, 48, 3)
     assert saved["format"] == 3 and saved["task"] == {"name": "image_classification", "arch": AMP_ARCH,
-                                                       "num_classes": 4}
+                                                       "num_classes": 4, "classes": sorted(class_names()[:4])}
     assert saved["scaler"]["scale"] > 0 and saved["world_size"] == 2 and len(saved["ranks"]) == 2
     assert all({"torch", "python", "numpy"} <= set(rank["rng"]) for rank in saved["ranks"])
     # Mid-epoch, every rank's own BatchNorm statistics are kept (they are averaged at epoch ends).
@@ -180,6 +201,9 @@ def test_preemption_checkpoints_and_resume_finishes_exactly(kind, signum, target
     assert not (tmp_path / "probe").exists()  # the job did not run to the end
     launch(kind, 2, [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir), tmp_path)
     assert_bitwise_equal(final_states(tmp_path / "probe")[0], expected)
+    straight_dir = request.getfixturevalue("straight" if kind == "horovodrun-gloo" else "straight_mpi")[0]
+    assert ("train_sums" in saved) == (saved["step_in_epoch"] > 0)
+    assert_whole_epochs(run_dir, straight_dir, [0, 1, 2])
 
 
 def test_resume_with_a_different_number_of_ranks(tiny_data, tmp_path):
@@ -196,7 +220,8 @@ def test_resume_with_a_different_number_of_ranks(tiny_data, tmp_path):
     assert "at epoch 1, step 6/12" in single.stdout  # 48 images done = 6 steps of 8
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
-    assert [(r["epoch"], r["samples"], r["step"]) for r in train] == [(0, 48, 3 + 6), (1, 96, 3 + 6 + 12)]
+    # The resumed epoch's record covers it whole: 48 images from the checkpoint's sums, 48 trained here.
+    assert [(r["epoch"], r["samples"], r["step"]) for r in train] == [(0, 96, 3 + 6), (1, 96, 3 + 6 + 12)]
     # The learning rate follows the epoch position at the new global batch (8 -> 0.4 * 8 / 256).
     from hvdtrain.config import OptimConfig
     from hvdtrain.optim import LRSchedule

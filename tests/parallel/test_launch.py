@@ -168,3 +168,24 @@ def test_one_host_elastic_elsewhere_stops_at_once_with_what_to_add(tmp_path):
     assert last_line(result.stderr).startswith(
         f"hvdtrain launch: error: the discovery script {script} lists one host (gpu-node-7), and horovodrun's "
         "elastic driver waits for a second one unless a network interface is named: add --network-interfaces NIC")
+
+
+@pytest.mark.parametrize("controller", ["--mpi", "--gloo"])
+def test_a_stop_signal_to_the_launcher_alone_reaches_the_ranks_which_checkpoint(controller, tiny_data, tmp_path):
+    """A scheduler's or batch script's SIGTERM to ``hvdtrain launch`` alone: it goes to this host's
+    ranks, which checkpoint and exit 75, and nothing is left running. Handed to horovodrun, as it
+    was, mpirun ended the ranks within a second (exit 1, no stop line)."""
+    run_dir = tmp_path / "run"
+    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=12")]
+    job = subprocess.Popen(launched(controller, program), cwd=tmp_path, env=job_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = wait_for_line(job, "epoch 1/12 ")
+        job.send_signal(signal.SIGTERM)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    output = "".join(lines) + rest
+    assert job.returncode == 75, output
+    assert "stopped by SIGTERM in epoch" in output and "Traceback" not in output, output
+    assert rank_pids(str(run_dir)) == {}

@@ -35,8 +35,8 @@ def ratings_dir(tmp_path_factory) -> Path:
 COMMON = ["output.tensorboard=false", "output.progress=false", "runtime.stats_interval=0", "runtime.threads=1"]
 # NCF, implicit, sparse embedding gradients through Horovod's allgather; Adagrad takes them.
 # 3 epochs of 30 steps; checkpoints every 7 steps (mid-epoch at 7, 14, ...).
-NCF_SPARSE = ["--config", "movielens_ncf", "model.sparse_embeddings=true", "optim.name=adagrad",
-              "optim.base_lr=0.02", "model.embedding_dim=8", "model.mlp_layers=16,8", "data.negatives=2",
+NCF_SPARSE = ["--config", "movielens_ncf", "recommendation.sparse_embeddings=true", "optim.name=adagrad",
+              "optim.base_lr=0.02", "recommendation.embedding_dim=8", "recommendation.mlp_layers=16,8", "recommendation.negatives=2",
               "train.batch_size=32", "train.epochs=3", "train.steps_per_epoch=30", "checkpoint.every_steps=7",
               "checkpoint.keep=100", "checkpoint.resume=auto", *COMMON]
 
@@ -135,7 +135,7 @@ def test_two_ranks_of_b_equal_one_rank_of_2b_for_dense_sparse_and_sparse_as_dens
     initial_changed = False
     for name, extra in (("sparse", []), ("sparse_as_dense", ["dist.sparse_as_dense=true"])):
         two = probe_run("horovodrun-gloo", 2, tmp_path / name,
-                        base + ["train.batch_size=16", "model.sparse_embeddings=true",
+                        base + ["train.batch_size=16", "recommendation.sparse_embeddings=true",
                                 f"output.dir={tmp_path / name / 'run'}", *extra])
         assert_bitwise_equal(two[0]["state"], two[1]["state"])
         for key, value in reference.items():
@@ -153,7 +153,7 @@ def test_validation_is_exact_on_three_ranks(ratings_dir, tmp_path):
     the same checkpoint: every user counted once."""
     run_dir = tmp_path / "run"
     args = ["--config", "movielens_ncf", f"data.dir={ratings_dir}", f"output.dir={run_dir}", "train.batch_size=16",
-            "train.epochs=1", "train.steps_per_epoch=20", "model.embedding_dim=8", "model.mlp_layers=16,8", *COMMON]
+            "train.epochs=1", "train.steps_per_epoch=20", "recommendation.embedding_dim=8", "recommendation.mlp_layers=16,8", *COMMON]
     three = probe_run("horovodrun-gloo", 3, tmp_path, args)
     assert [r["size"] for r in three] == [3, 3, 3]
     val = three[0]["metrics"]["val"]

@@ -36,7 +36,7 @@ def train(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 def recommender(ratings_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["--config", "movielens", f"data.dir={ratings_dir}", f"output.dir={run_dir}", "train.epochs=3",
-            "train.batch_size=64", "data.split=random", *extra]
+            "train.batch_size=64", "recommendation.split=random", *extra]
 
 
 def val_records(run_dir: Path) -> list[dict]:

@@ -46,8 +46,8 @@ def test_value_types_are_coerced_from_text_and_yaml(tmp_path):
     ("dist.straggler_threshold=-1", "'dist.straggler_threshold' must be >= 0"),
     ("dist.bucket_mb=-2", "'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got -2"),
     ("elastic.enabled=true dist.bucket_mb=25", "dist.bucket_mb=25 cannot be used with elastic.enabled=true"),
-    ("model.sparse_embeddings=true optim.weight_decay=0 dist.bucket_mb=8",
-     "dist.bucket_mb=8 cannot be used with model.sparse_embeddings=true"),
+    ("task=recommendation model.arch=mf recommendation.sparse_embeddings=true optim.weight_decay=0 dist.bucket_mb=8",
+     "dist.bucket_mb=8 cannot be used with recommendation.sparse_embeddings=true"),
     ("elastic.enabled=true runtime.cpu_affinity=rank", "runtime.cpu_affinity=rank cannot be used with elastic"),
     ("runtime.cpu_affinity=on", "config key 'runtime.cpu_affinity' expects one of auto, rank, none"),
 ])

@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 PACKAGE = ROOT / "hvdtrain"
-SUBPACKAGES = ("data", "tasks", "tools")
 
 # Class names docs/architecture.md uses without their module.
 CLASSES = {"RunState": "state", "Position": "state", "StepSettings": "engine", "Run": "run", "Task": "tasks",
@@ -22,9 +21,27 @@ CLASSES = {"RunState": "state", "Position": "state", "StepSettings": "engine", "
 
 
 def package_modules() -> set[str]:
-    """hvdtrain/*.py, hvdtrain/{data,tasks,tools}/*.py, as paths from the repository root."""
-    files = [*PACKAGE.glob("*.py"), *(path for sub in SUBPACKAGES for path in (PACKAGE / sub).glob("*.py"))]
-    return {path.relative_to(ROOT).as_posix() for path in files}
+    """Every module of the package (hvdtrain/**/*.py), as paths from the repository root."""
+    return {path.relative_to(ROOT).as_posix() for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+
+
+def dotted_modules() -> dict[str, str]:
+    """A doc's short name of a module -> its dotted path under hvdtrain: every module and package by
+    its path (``train.run``, ``data.image``), and by its file name alone where that is unique
+    (``trainer`` for ``train.trainer``; not ``build``, which optim/ and model/ both have)."""
+    paths = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts and parts[-1] != "__main__":
+            paths[".".join(parts)] = ".".join(parts)
+    stems: dict[str, list[str]] = {}
+    for dotted in paths:
+        stems.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
+    short = {stem: found[0] for stem, found in stems.items() if len(found) == 1}
+    return {**short, **paths}
 
 
 def shipped_configs() -> set[str]:
@@ -76,8 +93,7 @@ def test_the_check_sees_a_missing_row():
 
 def module_names() -> set[str]:
     """Names a doc may use as the first part of ``module.name``: hvdtrain's modules and packages."""
-    names = {path.stem for path in PACKAGE.glob("*.py")} | set(SUBPACKAGES) | {"hvdtrain"}
-    return names - {"__init__", "__main__"}
+    return {name.split(".")[0] for name in dotted_modules()} | {"hvdtrain"}
 
 
 def is_config_key(dotted: str) -> bool:
@@ -103,6 +119,9 @@ def resolve(dotted: str) -> str | None:
     parts = dotted.split(".")
     if parts[0] in CLASSES:
         parts = [CLASSES[parts[0]], *parts]
+    short = dotted_modules()
+    if parts[0] in short:
+        parts = [*short[parts[0]].split("."), *parts[1:]]
     if parts[0] != "hvdtrain":
         parts = ["hvdtrain", *parts]
     for split in range(len(parts), 0, -1):

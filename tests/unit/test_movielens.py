@@ -230,14 +230,14 @@ def test_id_map_refuses_a_checkpoint_of_other_ratings():
 
 def test_recommendation_config_checks():
     assert load_config("movielens", []).model.arch == "mf"
-    assert load_config("movielens_ncf", []).model.objective == "implicit"
+    assert load_config("movielens_ncf", []).recommendation.objective == "implicit"
     with pytest.raises(ConfigError, match="'model.arch': task=recommendation takes mf or ncf, got 'resnet18'"):
         load_config("movielens", ["model.arch=resnet18"])
     with pytest.raises(ConfigError, match="needs optim.name=sgd or adagrad"):
-        load_config("movielens", ["model.sparse_embeddings=true"])
+        load_config("movielens", ["recommendation.sparse_embeddings=true"])
     with pytest.raises(ConfigError, match="needs optim.weight_decay=0"):
-        load_config("movielens", ["model.sparse_embeddings=true", "optim.name=sgd", "optim.weight_decay=0.1"])
-    with pytest.raises(ConfigError, match="'model.mlp_layers'"):
-        load_config("movielens_ncf", ["model.mlp_layers=64,x"])
-    with pytest.raises(ConfigError, match="'data.split_fraction'"):
-        load_config("movielens", ["data.split_fraction=1.5"])
+        load_config("movielens", ["recommendation.sparse_embeddings=true", "optim.name=sgd", "optim.weight_decay=0.1"])
+    with pytest.raises(ConfigError, match="'recommendation.mlp_layers'"):
+        load_config("movielens_ncf", ["recommendation.mlp_layers=64,x"])
+    with pytest.raises(ConfigError, match="'recommendation.split_fraction'"):
+        load_config("movielens", ["recommendation.split_fraction=1.5"])

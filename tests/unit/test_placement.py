@@ -60,8 +60,16 @@ def host(monkeypatch, tmp_path):
     monkeypatch.setattr(placement.launcher, "host_name", lambda: "a")
     monkeypatch.setattr(placement.dist, "local_rank", lambda: 1)
     monkeypatch.setattr(placement.dist, "local_size", lambda: 2)
-    monkeypatch.setattr(placement.dist, "allgather_object", lambda obj, name=None: seen["everyone"])
+
+    def allgather(obj, name=None):
+        if name == "hvdtrain.cpu_affinity":  # (host, pid, cores) of every rank
+            return [(other, 100 + index, cores) for index, (other, cores) in enumerate(seen["everyone"])]
+        return [obj]  # the choice: this rank's, as its host's first rank's
+    monkeypatch.setattr(placement.dist, "allgather_object", allgather)
     monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(placement, "online_cpus", lambda sysfs=None: {0, 1, 2, 3})
+    monkeypatch.setattr(placement, "bound_processes", lambda ours, online: seen.get("others", {}))
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
     monkeypatch.setattr(placement, "bind_threads", bound.append)
     return seen, bound
 
@@ -97,3 +105,72 @@ def test_bind_threads_moves_the_threads_already_running():
     threads = json.loads(result.stdout)
     assert len(threads) >= 2 and len({tuple(cores) for cores in threads.values()}) == 1
     assert len(next(iter(threads.values()))) == 1
+
+
+def test_another_jobs_bound_ranks_keep_their_cores(host, monkeypatch):
+    """Two jobs on one host, outside cgroups: the second binds within the cores nobody else is bound
+    to, and leaves binding off, with one line, where too few remain (issue 35: both jobs used to bind
+    their ranks to the same cores)."""
+    seen, bound = host
+    logged = []
+    monkeypatch.setattr(placement.dist, "log", logged.append)
+    seen["everyone"] = [("a", [0, 1, 2, 3]), ("a", [0, 1, 2, 3])]
+    seen["others"] = {4242: {0}}  # one core taken: three left for two ranks
+    assert placement.place_rank("auto", "cpu", elastic=False) == [3]
+    assert bound == [[3]] and logged == []
+    seen["others"] = {4242: {0, 1}, 4243: {2}}
+    assert placement.place_rank("auto", "cpu", elastic=False) is None
+    assert len(logged) == 1 and logged[0].startswith("hvdtrain: a: CPU binding off: other processes on this host "
+                                                     "are bound to CPUs 0-2 (e.g. pid 4242")
+    # rank forces it: within the cores the job was started on
+    assert placement.place_rank("rank", "cpu", elastic=False) == [2, 3]
+
+
+@pytest.mark.parametrize("slurm_cpus, cores", [("2", None), ("4", [2, 3]), ("", [2, 3])])
+def test_a_slurm_job_with_part_of_an_unbound_node_leaves_binding_off(host, monkeypatch, slurm_cpus, cores):
+    seen, bound = host
+    logged = []
+    monkeypatch.setattr(placement.dist, "log", logged.append)
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", slurm_cpus)
+    seen["everyone"] = [("a", [0, 1, 2, 3]), ("a", [0, 1, 2, 3])]
+    assert placement.place_rank("auto", "cpu", elastic=False) == cores
+    if cores is None:
+        assert len(logged) == 1 and "Slurm gave this job 2 of the host's 4 CPUs but did not bind it" in logged[0]
+        assert placement.place_rank("rank", "cpu", elastic=False) == [2, 3]
+
+
+@pytest.mark.parametrize("started_on, others, slurm, expected", [
+    ([0, 1, 2, 3], {}, None, [0, 1, 2, 3]),          # alone on the host: every core
+    ([2, 3], {9: {0, 1}}, None, [2, 3]),             # a cpuset/taskset narrower than the host: the job's own
+    ([0, 1, 2, 3], {9: {1}}, None, [0, 2, 3]),       # another job's rank on core 1: left to it
+    ([0, 1, 2, 3], {9: {1, 2, 3}}, None, None),      # one core left for two ranks: off
+    ([0, 1, 2, 3], {}, 2, None),                     # Slurm: 2 of 4 CPUs, unbound: off
+    ([0], {}, None, None),                           # fewer cores than ranks
+])
+def test_choose_cores(started_on, others, slurm, expected):
+    cores, reason = placement.choose_cores("auto", started_on, {0, 1, 2, 3}, others, slurm, 2)
+    assert cores == expected
+    assert bool(reason) == (expected is None and len(started_on) >= 2)
+
+
+def test_bound_processes_finds_a_process_bound_to_part_of_the_host():
+    online = placement.online_cpus()
+    if len(online) < 2:
+        pytest.skip("needs 2 CPUs")
+    core = min(online)
+    child = subprocess.Popen([sys.executable, "-c", f"import os, sys; os.sched_setaffinity(0, {{{core}}}); "
+                              "print(flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # bound by now
+        found = placement.bound_processes(set(), online)
+        assert found.get(child.pid) == {core}
+        assert child.pid not in placement.bound_processes({child.pid}, online)  # one of ours
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def test_online_cpus_and_ranges(tmp_path):
+    (tmp_path / "online").write_text("0-3,8,10-11\n")
+    assert placement.online_cpus(tmp_path) == {0, 1, 2, 3, 8, 10, 11}
+    assert placement.cpu_ranges({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"

@@ -1,0 +1,32 @@
+"""Configuration: nested dataclasses, YAML files and dotted command-line overrides.
+
+Precedence is defaults < YAML file < ``key=value`` overrides. Every field has a type and a
+docstring-like comment; unknown keys and badly typed values stop with one line that names the
+key and what would have been valid.
+
+- sections.py  the core sections (model, data, augment, train, optim, dist, amp, runtime, output,
+               checkpoint, elastic, tracking, ema, eval), one dataclass each
+- root.py      ``Config``: the core sections, plus the task's own section (``Task.settings``,
+               e.g. ``recommendation.embedding_dim``), and the keys that moved there
+- files.py     config files: shipped names, bounded safe YAML
+- checks.py    the core sections' checks, each one line
+- load.py      defaults < file < overrides, the task's section mounted, validated
+"""
+
+from ..keys import ConfigError
+from .checks import UPPER_BOUNDS, float_pair, step_range, target_value, validates_after
+from .files import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PACKAGED_CONFIGS, read_config_file, resolve_config_path
+from .load import (apply_mapping, apply_override, describe_keys, dump_yaml, flatten, from_dict, load_config,
+                   migrate_moved_keys, to_dict, validate)
+from .root import MOVED_KEYS, Config, config_type, task_section
+from .sections import (AmpConfig, AugmentConfig, CheckpointConfig, DataConfig, DistConfig, ElasticConfig, EmaConfig,
+                       EvalConfig, ModelConfig, OptimConfig, OutputConfig, RuntimeConfig, TrackingConfig, TrainConfig,
+                       WandbConfig, MlflowConfig)
+
+__all__ = ["Config", "ConfigError", "load_config", "apply_override", "apply_mapping", "from_dict", "to_dict",
+           "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "step_range", "target_value",
+           "validates_after", "PACKAGED_CONFIGS", "UPPER_BOUNDS", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH",
+           "MOVED_KEYS", "config_type", "task_section", "migrate_moved_keys", "read_config_file",
+           "resolve_config_path", "AmpConfig", "AugmentConfig", "CheckpointConfig", "DataConfig", "DistConfig",
+           "ElasticConfig", "EmaConfig", "EvalConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RuntimeConfig",
+           "TrackingConfig", "TrainConfig", "WandbConfig", "MlflowConfig"]

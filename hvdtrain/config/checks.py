@@ -1,0 +1,295 @@
+"""Checks of the core sections: ranges, bounds and keys that exclude each other, each one line."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from ..keys import ConfigError
+from .root import Config
+
+
+def check_core(cfg: Config) -> None:
+    """Cross-field and range checks of the core sections, each failing with one line (a task's own
+    section is checked by its settings class: config/load.py)."""
+    positive = {
+        "train.epochs": cfg.train.epochs,
+        "train.batch_size": cfg.train.batch_size,
+        "train.backward_passes_per_step": cfg.train.backward_passes_per_step,
+        "data.image_size": cfg.data.image_size,
+        "data.prefetch_factor": cfg.data.prefetch_factor,
+        "data.synthetic_samples": cfg.data.synthetic_samples,
+        "elastic.commit_every_steps": cfg.elastic.commit_every_steps,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {value}")
+    non_negative = {
+        "train.steps_per_epoch": cfg.train.steps_per_epoch,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "optim.lr": cfg.optim.lr,
+        "data.workers": cfg.data.workers,
+        "data.val_resize": cfg.data.val_resize,
+        "runtime.threads": cfg.runtime.threads,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "runtime.audit_every": cfg.runtime.audit_every,
+        "amp.max_skipped_steps": cfg.amp.max_skipped_steps,
+        "dist.timeout_seconds": cfg.dist.timeout_seconds,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "model.num_classes": cfg.model.num_classes,
+        "optim.warmup_epochs": cfg.optim.warmup_epochs,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "optim.label_smoothing": cfg.optim.label_smoothing,
+        "optim.clip_grad_norm": cfg.optim.clip_grad_norm,
+        "dist.straggler_threshold": cfg.dist.straggler_threshold,
+        "runtime.stats_interval": cfg.runtime.stats_interval,
+        "dist.stall_warning_seconds": cfg.dist.stall_warning_seconds,
+        "dist.stall_shutdown_seconds": cfg.dist.stall_shutdown_seconds,
+        "data.shuffle_buffer": cfg.data.shuffle_buffer,
+        "data.max_image_pixels": cfg.data.max_image_pixels,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    check_upper_bounds(cfg)
+    if cfg.dist.bucket_mb < 0 and cfg.dist.bucket_mb != -1:
+        raise ConfigError(f"config key 'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got {cfg.dist.bucket_mb}")
+    # Gradient groups and what rules them out. Horovod's grouped DistributedOptimizer broadcasts the
+    # parameter order when it is built, which a worker joining a running elastic job does alone.
+    if cfg.dist.bucket_mb > 0 and cfg.elastic.enabled:
+        raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with elastic.enabled=true (a joining "
+                          "worker would wait alone in the grouped optimizer's broadcast): leave dist.bucket_mb at -1 "
+                          "(auto) or 0")
+    if cfg.checkpoint.every_steps and cfg.elastic.enabled:
+        raise ConfigError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} cannot be used with elastic.enabled=true "
+                          "(elastic runs commit their state in memory every elastic.commit_every_steps steps and "
+                          "checkpoint at each epoch end): set checkpoint.every_steps=0")
+    if cfg.runtime.cpu_affinity == "rank" and cfg.elastic.enabled:
+        raise ConfigError("runtime.cpu_affinity=rank cannot be used with elastic.enabled=true (the ranks on a host "
+                          "change as workers come and go): leave it at auto or none")
+    if cfg.train.global_batch_size and cfg.elastic.enabled:
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} cannot be used with "
+                          "elastic.enabled=true (an elastic run keeps train.batch_size per rank as ranks come and "
+                          "go): set train.batch_size instead")
+    if not (cfg.optim.warmup_start == -1 or 0 <= cfg.optim.warmup_start <= 1):
+        raise ConfigError(f"config key 'optim.warmup_start' is a fraction of the peak rate in [0, 1], or -1 "
+                          f"(from optim.base_lr), got {cfg.optim.warmup_start}")
+    if cfg.optim.base_lr <= 0:
+        raise ConfigError(f"config key 'optim.base_lr' must be positive, got {cfg.optim.base_lr}")
+    if cfg.optim.label_smoothing >= 1:
+        raise ConfigError(f"config key 'optim.label_smoothing' must be below 1, got {cfg.optim.label_smoothing}")
+    if not cfg.output.dir:
+        raise ConfigError("config key 'output.dir' must not be empty")
+    if cfg.model.dtype == "float64" and cfg.amp.enabled:
+        raise ConfigError("model.dtype=float64 and amp.enabled=true exclude each other (set amp.enabled=false)")
+    stall = cfg.dist
+    if stall.stall_shutdown_seconds and stall.stall_shutdown_seconds <= stall.stall_warning_seconds:
+        raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
+                          f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
+    step_range(cfg.runtime.timeline_steps)
+    validate_finetune_and_augment(cfg)
+    validate_recipes(cfg)
+    if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
+        raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
+    if cfg.runtime.preemption_poll_seconds <= 0:
+        raise ConfigError(f"config key 'runtime.preemption_poll_seconds' must be positive, got {cfg.runtime.preemption_poll_seconds}")
+    if cfg.runtime.preemption_notice_url and cfg.runtime.preemption_notice == "none":
+        raise ConfigError("config key 'runtime.preemption_notice_url' is set but runtime.preemption_notice=none: "
+                          "name the cloud (aws, azure or gcp)")
+    if cfg.runtime.preemption_notice_url and not cfg.runtime.preemption_notice_url.startswith(("http://", "https://")):
+        raise ConfigError(f"config key 'runtime.preemption_notice_url': expected an http:// or https:// URL, "
+                          f"got '{cfg.runtime.preemption_notice_url}'")
+    if cfg.tracking.every_steps < 0 or cfg.tracking.flush_seconds < 0:
+        key = "every_steps" if cfg.tracking.every_steps < 0 else "flush_seconds"
+        raise ConfigError(f"config key 'tracking.{key}' must be >= 0, got {getattr(cfg.tracking, key)}")
+    if cfg.tracking.log_checkpoints != "none" and not (cfg.tracking.wandb.enabled or cfg.tracking.mlflow.enabled):
+        raise ConfigError(f"config key 'tracking.log_checkpoints={cfg.tracking.log_checkpoints}' needs a tracker "
+                          "(tracking.wandb.enabled=true or tracking.mlflow.enabled=true)")
+
+
+# Upper bounds of the keys that start processes or threads or allocate in proportion to their value:
+# beyond them a typo (workers=100000, image_size=100000, threads=1000000) hung for minutes or ended
+# in an allocator traceback. Absolute numbers, not multiples of this machine's cores, so that a
+# config valid on a login node is valid on the compute nodes; each far above real use.
+UPPER_BOUNDS = {
+    # A 2-socket node has about 256 hardware threads for all of its ranks.
+    "data.workers": (256, "loader processes per rank"),
+    # Training activations grow with the pixels: ResNet-50 needs about 0.1 GB per 224 px image, so
+    # one 4096 px image some 30 GB; larger images fit no GPU.
+    "data.image_size": (4096, "pixels a side"),
+    "data.val_image_size": (4096, "pixels a side"),
+    "data.min_res": (4096, "pixels a side"),
+    "data.max_res": (4096, "pixels a side"),
+    "data.val_resize": (8192, "pixels, the resize before the center crop"),
+    "augment.pad": (4096, "pixels on each side"),
+    # 2 to 4 batches in flight keep a loader busy; more only hold memory.
+    "data.prefetch_factor": (64, "batches each worker loads ahead"),
+    # Image tasks fit a few hundred per GPU; recommenders use up to 2^20 (MLPerf NCF's global batch).
+    "train.batch_size": (1 << 20, "samples per rank"),
+    # 45x ImageNet-21k; a 2048-wide head is then 8 GB of float32, mixup's soft targets more.
+    "model.num_classes": (1_000_000, "classes"),
+    "augment.magnitude_bins": (1024, "levels; RandAugment uses 31"),
+    "augment.num_ops": (64, "operations per image; RandAugment uses 2"),
+    # The largest machines have about 1000 hardware threads.
+    "runtime.threads": (1024, "torch threads per rank"),
+}
+
+
+def check_upper_bounds(cfg: Config) -> None:
+    for key, (bound, unit) in UPPER_BOUNDS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value > bound:
+            raise ConfigError(f"config key '{key}' must be at most {bound} ({unit}), got {value}")
+
+
+def float_pair(key: str, text: str) -> tuple[float, float]:
+    """A MIN,MAX config value (e.g. ``augment.scale``) -> (min, max), positive and ordered."""
+    parts = text.replace(" ", "").split(",")
+    try:
+        low, high = (float(Fraction(part)) for part in parts)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"config key '{key}': expected MIN,MAX (e.g. 0.08,1.0), got '{text}'") from None
+    if not 0 < low <= high:
+        raise ConfigError(f"config key '{key}': expected 0 < MIN <= MAX, got '{text}'")
+    return low, high
+
+
+def validate_finetune_and_augment(cfg: Config) -> None:
+    """The keys of the augment section, data.val_fraction, data.max_bad_fraction and optim.head_lr_mult."""
+    aug = cfg.augment
+    float_pair("augment.scale", aug.scale)
+    float_pair("augment.ratio", aug.ratio)
+    if aug.pad < 0:
+        raise ConfigError(f"config key 'augment.pad' must be >= 0, got {aug.pad}")
+    if not 0 <= aug.hflip <= 1:
+        raise ConfigError(f"config key 'augment.hflip' is a probability (0 to 1), got {aug.hflip}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError(f"config key 'data.val_fraction' must be in [0, 1), got {cfg.data.val_fraction}")
+    if not 0 <= cfg.data.max_bad_fraction <= 1:
+        raise ConfigError(f"config key 'data.max_bad_fraction' is a share of an epoch's files (0 to 1), "
+                          f"got {cfg.data.max_bad_fraction}")
+    if cfg.optim.head_lr_mult <= 0:
+        raise ConfigError(f"config key 'optim.head_lr_mult' must be positive, got {cfg.optim.head_lr_mult}")
+
+
+def validate_recipes(cfg: Config) -> None:
+    """The keys of docs/recipes.md: EMA, augmentation, progressive resizing, optimizers, target."""
+    optim, augment, data, ema = cfg.optim, cfg.augment, cfg.data, cfg.ema
+    if not 0 <= optim.momentum < 1:
+        raise ConfigError(f"config key 'optim.momentum' must be in [0, 1) for optim.name={optim.name}, "
+                          f"got {optim.momentum}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"config key 'optim.{key}' must be in [0, 1), got {getattr(optim, key)}")
+    for key, value in (("optim.end_lr", optim.end_lr), ("optim.lars_eta", optim.lars_eta),
+                       ("optim.eps", optim.eps), ("augment.mixup_alpha", augment.mixup_alpha),
+                       ("augment.cutmix_alpha", augment.cutmix_alpha), ("train.target_top1", cfg.train.target_top1),
+                       ("train.target", cfg.train.target),
+                       ("data.min_res", data.min_res), ("data.max_res", data.max_res),
+                       ("data.start_ramp", data.start_ramp), ("data.end_ramp", data.end_ramp),
+                       ("data.val_image_size", data.val_image_size)):
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
+    if optim.poly_power <= 0:
+        raise ConfigError(f"config key 'optim.poly_power' must be positive, got {optim.poly_power}")
+    for key in ("random_erase", "mix_prob", "switch_prob"):
+        if not 0 <= getattr(augment, key) <= 1:
+            raise ConfigError(f"config key 'augment.{key}' is a probability in [0, 1], got {getattr(augment, key)}")
+    if not 0 <= augment.magnitude < augment.magnitude_bins or augment.num_ops < 1:
+        raise ConfigError(f"config keys 'augment.magnitude' ({augment.magnitude}) must be in [0, augment.magnitude_bins "
+                          f"({augment.magnitude_bins})) and augment.num_ops ({augment.num_ops}) >= 1")
+    if not 0 <= ema.decay < 1:
+        raise ConfigError(f"config key 'ema.decay' must be in [0, 1) (0 = off; e.g. 0.9998), got {ema.decay}")
+    if ema.every_steps < 1 or ema.warmup_gamma <= 0 or ema.warmup_power <= 0:
+        raise ConfigError("config keys 'ema.every_steps', 'ema.warmup_gamma' and 'ema.warmup_power' must be positive")
+    if bool(data.min_res) != bool(data.max_res):
+        raise ConfigError("progressive resizing needs both data.min_res and data.max_res (or neither)")
+    if data.min_res > data.max_res:
+        raise ConfigError(f"config key 'data.min_res' ({data.min_res}) must not exceed data.max_res ({data.max_res})")
+    if data.max_res and data.min_res < data.max_res and data.end_ramp <= data.start_ramp:
+        raise ConfigError(f"config key 'data.end_ramp' ({data.end_ramp}) must exceed data.start_ramp "
+                          f"({data.start_ramp}) when data.min_res < data.max_res")
+    if cfg.train.target and cfg.train.target_top1:
+        raise ConfigError("train.target and train.target_top1 are both set: train.target_top1 is the old name of "
+                          "train.target, keep only train.target")
+    for key, name in (("checkpoint.best_metric", cfg.checkpoint.best_metric),
+                      ("train.target_metric", cfg.train.target_metric)):
+        if name.startswith("ema_") and not ema.decay:
+            raise ConfigError(f"{key}={name} needs the EMA (set ema.decay, e.g. 0.9998)")
+    if cfg.train.target_metric and not target_value(cfg):
+        raise ConfigError(f"train.target_metric={cfg.train.target_metric} is set but train.target is 0 (off): "
+                          "set train.target too")
+    if cfg.eval.ema and not ema.decay:
+        raise ConfigError("eval.ema=true needs a checkpoint trained with the EMA (ema.decay > 0)")
+    validate_published_recipes(cfg)
+
+
+def validate_published_recipes(cfg: Config) -> None:
+    """The keys that published recipes need (issue 37): warm-up start and stepping, weight-decay
+    exemption, BCE, LARS/LAMB details, timm's RandAugment, validation crop and cadence."""
+    optim, augment, data, evaluation = cfg.optim, cfg.augment, cfg.data, cfg.eval
+    if not (optim.warmup_start_lr == -1 or optim.warmup_start_lr >= 0):
+        raise ConfigError(f"config key 'optim.warmup_start_lr' is a rate >= 0, or -1 (as optim.warmup_start says), "
+                          f"got {optim.warmup_start_lr}")
+    if optim.warmup_start_lr >= 0 and optim.warmup_start != -1:
+        raise ConfigError(f"optim.warmup_start={optim.warmup_start:g} and optim.warmup_start_lr="
+                          f"{optim.warmup_start_lr:g} both say where the warm-up starts: set one of the two")
+    names = [part.strip() for part in optim.no_decay_names.split(",")]
+    if optim.no_decay == "names" and not all(names):
+        raise ConfigError(f"config key 'optim.no_decay_names': expected name substrings separated by commas, "
+                          f"e.g. bn, got '{optim.no_decay_names}'")
+    if not 0 <= optim.bce_target_threshold < 1:
+        raise ConfigError(f"config key 'optim.bce_target_threshold' must be in [0, 1) (0 = soft targets), "
+                          f"got {optim.bce_target_threshold}")
+    if optim.bce_target_threshold and optim.loss != "bce":
+        raise ConfigError("optim.bce_target_threshold needs optim.loss=bce")
+    if optim.lars_momentum_correction and optim.name != "lars":
+        raise ConfigError(f"optim.lars_momentum_correction=true needs optim.name=lars, got {optim.name}")
+    if optim.lamb_max_grad_norm < 0 or (optim.lamb_max_grad_norm and optim.name != "lamb"):
+        raise ConfigError(f"config key 'optim.lamb_max_grad_norm' is >= 0 and needs optim.name=lamb "
+                          f"(got {optim.lamb_max_grad_norm:g} with optim.name={optim.name})")
+    if cfg.model.head_init_std < 0:
+        raise ConfigError(f"config key 'model.head_init_std' must be >= 0, got {cfg.model.head_init_std}")
+    if augment.policy == "timm_randaugment" and not 0 <= augment.magnitude <= 10:
+        raise ConfigError(f"config key 'augment.magnitude' is on timm's 0-10 scale with augment.policy="
+                          f"timm_randaugment, got {augment.magnitude}")
+    if augment.magnitude_std < 0:
+        raise ConfigError(f"config key 'augment.magnitude_std' must be >= 0, got {augment.magnitude_std}")
+    if (augment.magnitude_std or augment.increasing_ops) and augment.policy != "timm_randaugment":
+        raise ConfigError(f"augment.magnitude_std and augment.increasing_ops are timm's RandAugment options: "
+                          f"they need augment.policy=timm_randaugment, got {augment.policy}")
+    if not 0 <= data.val_crop_fraction <= 1:
+        raise ConfigError(f"config key 'data.val_crop_fraction' must be in (0, 1] (0 = off), "
+                          f"got {data.val_crop_fraction}")
+    if data.val_crop_fraction and data.val_resize:
+        raise ConfigError(f"data.val_crop_fraction={data.val_crop_fraction:g} and data.val_resize="
+                          f"{data.val_resize} both set the validation resize: set one of the two")
+    if data.val_interpolation != "bilinear" and data.decoder == "nvimgcodec":
+        raise ConfigError(f"data.val_interpolation={data.val_interpolation} needs the CPU decoder: "
+                          "set data.decoder=cpu (or auto)")
+    if evaluation.every_epochs < 1 or not 0 <= evaluation.offset_epochs < evaluation.every_epochs:
+        raise ConfigError(f"config keys 'eval.every_epochs' ({evaluation.every_epochs}) must be >= 1 and "
+                          f"eval.offset_epochs ({evaluation.offset_epochs}) in [0, eval.every_epochs)")
+
+
+def validates_after(cfg: Config, epoch: int) -> bool:
+    """Whether the run validates after ``epoch`` (0-based): eval.every_epochs and eval.offset_epochs,
+    and always after the last epoch."""
+    every, offset = cfg.eval.every_epochs, cfg.eval.offset_epochs
+    return epoch + 1 >= cfg.train.epochs or (epoch >= offset and (epoch - offset) % every == 0)
+
+
+def target_value(cfg: Config) -> float:
+    """``train.target``, or its old name ``train.target_top1``; 0 = no target."""
+    return cfg.train.target or cfg.train.target_top1
+
+
+def step_range(text: str) -> tuple[int, int] | None:
+    """``runtime.timeline_steps``: "START-END" (global steps, END excluded) -> (start, end); "" -> None."""
+    if not text:
+        return None
+    start, dash, end = text.partition("-")
+    if not (dash and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end)):
+        raise ConfigError(f"config key 'runtime.timeline_steps': expected START-END with START < END, "
+                          f"e.g. 100-120, got '{text}'")
+    return int(start), int(end)
