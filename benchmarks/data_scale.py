@@ -105,7 +105,7 @@ def build_folder(root: Path, n: int) -> None:
 def synthetic_index(root: Path, cache: Path, n: int) -> float:
     """Empty class folders, and a cache entry for them listing N (missing) files; the seconds the
     cache took to write (what a scan adds to the walk of the folders)."""
-    from hvdtrain.data.file_index import FileIndex, SplitIndex, cache_file, cache_key, write_cache
+    from hvdtrain.data.files.index import FileIndex, SplitIndex, cache_file, cache_key, write_cache
 
     shutil.rmtree(root, ignore_errors=True)
     classes, val = layout(n, synthetic=True)
@@ -131,7 +131,7 @@ def index_args(root: str, cache: str | None) -> tuple[Path, Path | None]:
 
 
 def child_index(args: argparse.Namespace) -> dict:
-    from hvdtrain.data.file_index import build_index, cache_file
+    from hvdtrain.data.files.index import build_index, cache_file
 
     root, cache = index_args(args.root, args.cache)
     result: dict = {}
@@ -156,8 +156,8 @@ def shared(root: Path, cache: Path | None, rank: int):
     """``shared_index`` as training calls it (the facade's collectives)."""
     import inspect
 
-    from hvdtrain import dist
-    from hvdtrain.data.file_index import shared_index
+    from hvdtrain.comm import dist
+    from hvdtrain.data.files.index import shared_index
 
     extra = {}
     if "allgather" in inspect.signature(shared_index).parameters:  # absent before issue 38
@@ -166,7 +166,7 @@ def shared(root: Path, cache: Path | None, rank: int):
 
 
 def child_broadcast(args: argparse.Namespace) -> dict:
-    from hvdtrain import dist
+    from hvdtrain.comm import dist
 
     dist.init(gpu=False)
     rank = dist.rank()
@@ -189,11 +189,11 @@ def child_loader(args: argparse.Namespace) -> dict:
     from torch.utils.data import DataLoader
 
     from hvdtrain.config import DataConfig
-    from hvdtrain.data.file_index import shared_index
-    from hvdtrain.data.image_folder import ImageFiles, collate
+    from hvdtrain.data.files.index import shared_index
+    from hvdtrain.data.image.folder import ImageFiles, collate
     from hvdtrain.data.loaders import loader_kwargs, shutdown_workers
     from hvdtrain.data.sampler import SeededSamples, ShardedSampler
-    from hvdtrain.data.transforms import fast_train_transform
+    from hvdtrain.data.image.transforms import fast_train_transform
 
     root, cache = index_args(args.root, args.cache)
     peak = PssPeak()

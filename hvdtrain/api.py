@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 from . import outcome
 from .arguments import require_data_choice
 from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, load_config, to_dict, validate
-from .run_folder import resolve_output_dir
+from .train.run_folder import resolve_output_dir
 
 if TYPE_CHECKING:  # torch and the tasks load only when a run starts
     import torch
@@ -118,7 +118,7 @@ def fit_config(cfg: Config) -> FitResult:
         code, run, last = train(cfg)
         if code:
             raise SystemExit(code)
-        from . import dist  # loaded by the run
+        from .comm import dist  # loaded by the run
 
         return FitResult(model=run.state.model, metrics=last, run_dir=run.run_dir, config=cfg,
                          rank=dist.rank(), size=dist.size())
@@ -127,7 +127,7 @@ def fit_config(cfg: Config) -> FitResult:
 def run_training(cfg: Config):
     """The one training loop (trainer.Trainer), static or under Horovod Elastic as ``elastic.enabled``
     says. Returns the run and its last epoch's metrics."""
-    from .trainer import Trainer
+    from .train.trainer import Trainer
 
     return Trainer(cfg).fit()
 
@@ -136,7 +136,8 @@ def train(cfg: Config) -> tuple[int, Any, dict[str, Any]]:
     """Run ``cfg`` to its end on the ranks of this job: (exit code, the run, its last epoch's
     metrics). A run that stops early (preemption, a lost rank) gives its code by the one map
     (outcome.stop_code) and no run; the user's errors propagate."""
-    from .run import JobStopped, Preempted  # torch and Horovod: after the config is checked
+    from .train.guard import JobStopped
+    from .train.stops import Preempted
 
     try:
         run, last = run_training(cfg)
@@ -163,7 +164,7 @@ def evaluate_checkpoint_file(path: Path, overrides: Iterable[str] | Mapping[str,
     name a task of one's own in the caller's terms."""
     cfg = checkpoint_config(path, overrides, task, how=how)
     check_task(cfg)
-    from .run import evaluate_checkpoint
+    from .train.run import evaluate_checkpoint
 
     return evaluate_checkpoint(cfg, path)
 
@@ -177,7 +178,7 @@ def checkpoint_config(path: Path, overrides: Iterable[str] | Mapping[str, Any] =
     imported (tasks.checkpoint_task), and no other recorded value reaches an import (model.arch
     names a torchvision or timm registry entry, everything else resolved by name is a fixed
     choice)."""
-    from . import checkpoint as checkpoints  # torch: after the arguments are in
+    from .checkpoint import io as checkpoints  # torch: after the arguments are in
     from .tasks import checkpoint_task
 
     cfg = from_dict(checkpoints.load(path)["config"], stored=True)

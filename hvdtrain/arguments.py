@@ -1,5 +1,5 @@
 """The train command's arguments: ``python -m hvdtrain`` (cli.py) parses them, and the Ray driver
-(ray_launch.py) checks them before it starts a single rank."""
+(launch/ray.py) checks them before it starts a single rank."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from . import launcher, outcome
+from .comm import launcher_env as launcher
+from . import outcome
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
 from .config import PACKAGED_CONFIGS, dump_yaml, load_config
 
@@ -85,13 +86,13 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_ray(argv: list[str]) -> int:
-    from .ray_launch import main as ray_main  # imports Ray only once the arguments are checked
+    from .launch.ray import main as ray_main  # imports Ray only once the arguments are checked
 
     return ray_main(argv)
 
 
 def cmd_launch(argv: list[str]) -> int:
-    from .launch import main as launch_main
+    from .launch.horovodrun import main as launch_main
 
     return launch_main(argv)
 

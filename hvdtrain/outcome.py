@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 
-from . import launcher
+from .comm import launcher_env as launcher
 from .arguments import UsageError
 from .config import ConfigError
 from .data import DataError
@@ -26,7 +26,7 @@ from .data import DataError
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 74, 75, 130
 EXIT_DATA_VANISHED = 65
 
-# This process's one-line cause of a non-zero exit, for its exit record (launch.py).
+# This process's one-line cause of a non-zero exit, for its exit record (launch/horovodrun.py).
 _cause = [""]
 
 
@@ -41,10 +41,10 @@ def cause() -> str:
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix: reported in one line, without a traceback.
 
-    A CheckpointError can only come from hvdtrain.checkpoint once it is loaded; importing it just
+    A CheckpointError can only come from hvdtrain.checkpoint.io once it is loaded; importing it just
     to name the class would load torch on the way to a one-line usage error.
     """
-    checkpoint = sys.modules.get(f"{__package__}.checkpoint")
+    checkpoint = sys.modules.get(f"{__package__}.checkpoint.io")
     return (UsageError, ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
 
@@ -85,7 +85,7 @@ def crash_cause(error: BaseException) -> None:
 
 def write_exit_record(code: int) -> None:
     """This rank's exit record for ``hvdtrain launch`` (nothing outside it, or for code 0)."""
-    from .launch import exit_record
+    from .launch.horovodrun import exit_record
 
     record = exit_record(launcher.rank(), code, cause())
     if record:  # one write: a launcher that tags output per write keeps it on one line

@@ -19,7 +19,7 @@ What the short path takes, and what it makes of it:
   ``lr`` becomes ``optim.lr``, the rate as it is (not scaled by the batch), held by
   ``optim.schedule`` (``constant`` here by default; ``cosine``, ``poly``, ``step`` by name); SGD,
   Adam, AdamW and Adagrad settings are recorded as ``optim.*`` keys, so a rerun with another rate
-  or momentum is refused as another run (run_identity.py).
+  or momentum is refused as another run (checkpoint/identity.py).
 - ``train_set``, ``val_set``: map-style datasets whose items are ``(input, target)``. hvdtrain
   adds the sampler; nothing wraps or replaces your dataset class. ``seed_per_sample=True`` when
   ``train_set`` draws random numbers (random augmentation): each sample is then loaded under its

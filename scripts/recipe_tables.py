@@ -41,8 +41,8 @@ def load_published(path: Path = PUBLISHED) -> dict[str, Any]:
 def decayed_vectors(arch: str, rule: str, names: str, blurpool: bool) -> int:
     """1-d tensors of ``arch`` (as the preset builds it) that get weight decay under ``rule``."""
     from hvdtrain.config import ModelConfig
-    from hvdtrain.model import build_model
-    from hvdtrain.optim import decay_exempt
+    from hvdtrain.model.build import build_model
+    from hvdtrain.optim.build import decay_exempt
 
     model = build_model(ModelConfig(arch=arch, blurpool=blurpool), 1000)
     exempt = decay_exempt(model, rule, names)
@@ -51,8 +51,8 @@ def decayed_vectors(arch: str, rule: str, names: str, blurpool: bool) -> int:
 
 def resolve(cfg: Config, key: str, ranks: int) -> Any:
     """The value a preset resolves ``key`` to, on ``ranks`` ranks (see the module docstring)."""
-    from hvdtrain.data.transforms import val_image_size, val_resize_size
-    from hvdtrain.optim import LRSchedule, lr_at, scaled_lr
+    from hvdtrain.data.image.transforms import val_image_size, val_resize_size
+    from hvdtrain.optim.build import LRSchedule, lr_at, scaled_lr
 
     global_batch = cfg.train.batch_size * ranks * cfg.train.backward_passes_per_step
     if key == "ranks":

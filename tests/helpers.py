@@ -103,7 +103,7 @@ def tiny(tiny_data: Path, out: Path, *extra: str) -> list[str]:
 def read_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl's records, each with its per-rank part (``by_rank``, every straggler) from
     metrics_ranks.jsonl, as ``hvdtrain report`` reads them."""
-    from hvdtrain.rank_logs import attach_rank_detail
+    from hvdtrain.observe.rank_logs import attach_rank_detail
 
     return attach_rank_detail([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
                               run_dir)

@@ -13,7 +13,7 @@ key and what would have been valid.
 - load.py      defaults < file < overrides, the task's section mounted, validated
 """
 
-from ..keys import ConfigError
+from .keys import ConfigError
 from .checks import UPPER_BOUNDS, float_pair, step_range, target_value, validates_after
 from .files import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PACKAGED_CONFIGS, read_config_file, resolve_config_path
 from .load import (apply_mapping, apply_override, describe_keys, dump_yaml, flatten, from_dict, load_config,

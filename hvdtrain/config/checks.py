@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ..keys import ConfigError
+from .keys import ConfigError
 from .root import Config
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from ..keys import ConfigError
+from .keys import ConfigError
 
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..keys import ConfigError, set_key
+from .keys import ConfigError, set_key
 from .sections import (AmpConfig, AugmentConfig, CheckpointConfig, DataConfig, DistConfig, ElasticConfig, EmaConfig,
                        EvalConfig, ModelConfig, OptimConfig, OutputConfig, RuntimeConfig, TrackingConfig, TrainConfig)
 

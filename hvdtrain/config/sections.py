@@ -185,7 +185,7 @@ class OptimConfig:
     """Clip the global gradient norm to this value after the allreduce; 0 = off."""
     head_lr_mult: float = 1.0
     """The classifier head's learning rate relative to the rest (fine-tuning: e.g. 10)."""
-    # --- optimizers for large batches (hvdtrain/optimizers.py, docs/recipes.md) ---
+    # --- optimizers for large batches (hvdtrain/optim/lars_lamb.py, docs/recipes.md) ---
     name: Literal["sgd", "lars", "lamb", "adamw", "adagrad", "adam"] = "sgd"
     """sgd (momentum, nesterov); lars (MLPerf ResNet-50: layer-wise trust ratio, BN and biases excluded); lamb (timm); adamw; adagrad; adam. With sparse gradients (model.sparse_embeddings): sgd or adagrad, and optim.weight_decay=0."""
     end_lr: float = 0.0
@@ -274,7 +274,7 @@ class RuntimeConfig:
 @dataclass
 class OutputConfig:
     dir: str = "auto"
-    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under Slurm (a requeued job keeps its id, and so its folder), runs/hvdtrain elsewhere (run_folder.py)."""
+    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under Slurm (a requeued job keeps its id, and so its folder), runs/hvdtrain elsewhere (train/run_folder.py)."""
     progress: bool = True
     """Progress per epoch on rank 0: a bar on a terminal, a line every 10% when output is piped."""
     tensorboard: bool = True

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from torch.utils.data import DataLoader
 
-from .. import launcher
+from ..comm import launcher_env as launcher
 from ..config import DataConfig
 from .sampler import ShardedSampler
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from .decode import RESOLUTION
+from .image.resolution import RESOLUTION
 
 SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 CHUNK = 4096  # samples turned into Python tuples (and seeds) at a time by the iterator

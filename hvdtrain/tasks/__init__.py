@@ -3,8 +3,8 @@
 - base.py      the interface (``Task``, ``DataEnv``) and the metrics' directions
 - registry.py  which class a ``task`` config value names (shipped tasks, ``module:Class``, a class
                handed over in this process), its settings section, and the checkpoint rule
-- image_classification.py, recommendation.py (+ recommendation_settings.py, recommender_models.py):
-               the shipped tasks
+- image_classification.py  the default task; recommendation/ the MovieLens task (task.py), its own
+               settings section (settings.py) and its models (models.py)
 
 docs/tasks.md documents the interface (enough to write a task from it alone); docs/architecture.md
 follows a step through the modules.

@@ -21,7 +21,7 @@ import torch
 
 from ..config.root import Config
 from ..data.loaders import Loaders
-from ..keys import ConfigError
+from ..config.keys import ConfigError
 
 
 @dataclass
@@ -35,7 +35,7 @@ class DataEnv:
     # worker joining a running job must not call one before the state synchronization).
     broadcast_object: Callable[[Any], Any] | None = None
     # Every rank's tensor concatenated, on every rank (the facade's ``dist.allgather``); None where
-    # collectives are not allowed. A large file index travels this way (data/file_index.py).
+    # collectives are not allowed. A large file index travels this way (data/files/index.py).
     allgather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Run a block on one process per host first (e.g. generating a dataset), the others after it.
     local_rank_zero_first: Callable[[], ContextManager] = contextlib.nullcontext

@@ -7,8 +7,8 @@ Metrics: loss, top-1 and top-5 accuracy, from exact sums of correct predictions 
 validation image once.
 
 Recipes (docs/recipes.md): per-image policies and random erasing in the loader workers
-(data/policies.py), progressive resizing through the sampler, mixup/cutmix on the device
-(data/mixing.py; training top-1 then counts the dominant label of each mixed image), and
+(data/image/policies.py), progressive resizing through the sampler, mixup/cutmix on the device
+(data/image/mixing.py; training top-1 then counts the dominant label of each mixed image), and
 test-time flip averaging (``eval.flip``).
 """
 
@@ -23,18 +23,18 @@ from torch.utils.data import DataLoader
 
 from ..config import Config, ConfigError
 from ..data.demo import ensure_demo_dataset
-from ..data.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
-from ..data.file_index import FileIndex, shared_index
-from ..data.file_list import host_budget
-from ..data.image_folder import CountingLoader, ImageFiles, collate
+from ..data.image.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
+from ..data.files.index import FileIndex, shared_index
+from ..data.files.file_list import host_budget
+from ..data.image.folder import CountingLoader, ImageFiles, collate
 from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
-from ..data.mixing import BatchMix
-from ..data.policies import epoch_resolution
+from ..data.image.mixing import BatchMix
+from ..data.image.resolution import epoch_resolution
 from ..data.sampler import SeededSamples, ShardedSampler
 from ..data.synthetic import SyntheticBatches
-from ..data.val_split import shared_split
-from ..data.transforms import DeviceNormalizer, fast_eval_transform, fast_train_transform
-from ..model import build_model
+from ..data.files.val_split import shared_split
+from ..data.image.transforms import DeviceNormalizer, fast_eval_transform, fast_train_transform
+from ..model.build import build_model
 from . import DataEnv, Task
 
 SUM_FIELDS = ("loss_sum", "correct1", "correct5", "count")
@@ -81,7 +81,7 @@ def file_datasets(data, root: Path, is_primary: bool = True, broadcast_object=No
                   run_dir: Path | None = None, seed: int = 0, transforms: tuple | None = None,
                   allgather=None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
     """The train and val datasets over rank 0's (cached) file index; with ``data.val_fraction``,
-    val is the part of train/ recorded in ``run_dir`` (data/val_split.py). ``transforms``: (train,
+    val is the part of train/ recorded in ``run_dir`` (data/files/val_split.py). ``transforms``: (train,
     val) instead of the CPU pipeline's (e.g. the device decoder's planning transforms)."""
     splits = ("train",) if data.val_fraction > 0 else ("train", "val")
     index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object, splits, allgather)
@@ -109,7 +109,7 @@ def dataset_root(cfg: Config, env: DataEnv) -> Path:
 def uses_shards(data) -> bool:
     """data.format=shards, or auto with a manifest.json in data.dir (or a URL)."""
     if data.format == "auto" and data.dir:
-        from ..data.shards import has_manifest
+        from ..data.shards.manifest import has_manifest
 
         return has_manifest(data.dir)
     return data.format == "shards"
@@ -127,9 +127,9 @@ class ImageClassification(Task):
         super().__init__(cfg)
         self.num_classes = cfg.model.num_classes or 1000
         self.index: FileIndex | None = None
-        self.shard_stream = None  # the shard loader's position in the epoch (data/shards.py), with data.format=shards
+        self.shard_stream = None  # the shard loader's position in the epoch (data/shards/loader.py), with data.format=shards
         self.normalizers: dict[tuple, DeviceNormalizer] = {}
-        self.device_decoder: DeviceDecoder | None = None  # data.decoder=nvimgcodec (data/device_decode.py)
+        self.device_decoder: DeviceDecoder | None = None  # data.decoder=nvimgcodec (data/image/device_decode.py)
         augment = cfg.augment
         self.mix = BatchMix(augment.mixup_alpha, augment.cutmix_alpha, augment.mix_prob, augment.switch_prob,
                             self.num_classes)
@@ -196,13 +196,14 @@ class ImageClassification(Task):
              if self.cfg.data.decoder == "auto" and torch.cuda.is_available() else "")
 
     def shard_loaders(self, env: DataEnv, transforms: tuple | None = None) -> Loaders:
-        """Loaders over ``hvdtrain prepare``'s tar shards (data/shards.py), local or at a URL."""
-        from ..data import shards
+        """Loaders over ``hvdtrain prepare``'s tar shards (data/shards/loader.py), local or at a URL."""
+        from ..data.shards import loader as shards
+        from ..data.shards.manifest import read_manifest
 
         cfg, data = self.cfg, self.cfg.data
         if env.keep_partial_batches:
             raise ConfigError("elastic.enabled=true does not read shards yet: use data.format=folder")
-        manifest = shards.read_manifest(data.dir)
+        manifest = read_manifest(data.dir)
         self.num_classes = cfg.model.num_classes or len(manifest.classes)
         train, val, stream = shards.shard_loaders(
             manifest, env.rank, env.world_size, cfg.train.batch_size,

@@ -20,16 +20,16 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ..config.root import CORE_SECTIONS, Config
-from ..keys import ConfigError
+from ..config.keys import ConfigError
 from .base import DIRECTIONS, Task
 
 # The tasks that ship with hvdtrain: config name -> "module:Class".
 TASKS = {"image_classification": "hvdtrain.tasks.image_classification:ImageClassification",
-         "recommendation": "hvdtrain.tasks.recommendation:Recommendation"}
+         "recommendation": "hvdtrain.tasks.recommendation.task:Recommendation"}
 # The shipped tasks' own sections: name -> (section, "module:Settings"), so that a config is built
 # without importing a task (and torch, Horovod) first. Each is its class's settings_class (tested).
 TASK_SETTINGS = {"recommendation": ("recommendation",
-                                    "hvdtrain.tasks.recommendation_settings:RecommendationSettings")}
+                                    "hvdtrain.tasks.recommendation.settings:RecommendationSettings")}
 # The names a task's section may not take: the core sections and the root keys.
 RESERVED_SECTIONS = CORE_SECTIONS
 

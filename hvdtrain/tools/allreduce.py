@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .. import launcher
+from ..comm import launcher_env as launcher
 from .process import run_with_deadline
 
 RESULT_MARKER = "HVDTRAIN_DOCTOR_BENCH "
@@ -76,7 +76,7 @@ def bench(sizes: list[int], iters: int, warmup: int, devices: Sequence[str], dea
     end_with_launcher(deadline_seconds)
     import torch
 
-    from .. import dist
+    from ..comm import dist
 
     dist.init()
     step(dist.rank(), "joined")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..config import Config, load_config
-from ..phases import LABELS
+from ..observe.phases import LABELS
 
 # Two-sided 95% quantiles of Student's t distribution by degrees of freedom (1..30).
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
@@ -67,12 +67,13 @@ def synchronize(device: torch.device) -> None:
 
 def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
     """Run the benchmark on this rank; every rank returns the same summary."""
-    from .. import dist
-    from ..builders import compression_for
+    from ..comm import dist
+    from ..train.builders import compression_for
     from ..data.synthetic import SyntheticBatches
-    from ..engine import Epoch
-    from ..phases import PHASES, epoch_phases
-    from ..run import audit_ranks, resume, setup
+    from ..train.engine import Epoch
+    from ..observe.phases import PHASES, epoch_phases
+    from ..train.save import audit_ranks
+    from ..train.run import resume, setup
 
     run = setup(cfg)
     resume(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
@@ -166,7 +167,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
         "per_rank": [{"rank": r, "images_per_sec": interval95(rates)[0], "ci95": interval95(rates)[1],
                       "repeats": rates} for r, rates in enumerate(per_rank)],
         "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
-        "phases": step_phases,  # fraction of step time by phase, mean over ranks (phases.py)
+        "phases": step_phases,  # fraction of step time by phase, mean over ranks (observe/phases.py)
         **ema, **audit_cost,
     }
 
@@ -174,8 +175,8 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
 def time_audit(run: Any, step_seconds: float, calls: int = 5) -> dict[str, Any]:
     """What one cross-rank audit costs (fingerprint, gather, compare; the median of ``calls``), as
     seconds and as a fraction of one timed step."""
-    from .. import dist
-    from ..audit import audit, fingerprint
+    from ..comm import dist
+    from ..fault.audit import audit, fingerprint
 
     times = []
     for _ in range(calls):
@@ -230,7 +231,7 @@ def cmd_bench(argv: list[str]) -> int:
     cfg = load_config(args.config, list(args.overrides) + FORCED)
     result = run_bench(cfg, args.warmup_steps, args.steps, args.repeats)
 
-    from .. import dist
+    from ..comm import dist
 
     if dist.is_primary():
         for line in format_report(result):

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..config import AugmentConfig, ConfigError, load_config
 from ..data import DataError
-from ..data.image_folder import ImageFiles, collate
+from ..data.image.folder import ImageFiles, collate
 from ..data.loaders import loader_kwargs
-from ..data.decode import IMAGENET_MEAN, IMAGENET_STD
+from ..data.image.decode import IMAGENET_MEAN, IMAGENET_STD
 from ..tasks.image_classification import file_datasets
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> int:
         pipelines[f"shards{number + 1}"] = shard_batches(shard_dir, cfg)
     device_rounds = None
     if args.device_decode:
-        from ..data.device_decode import DeviceDecoder, plan_transforms
+        from ..data.image.device_decode import DeviceDecoder, plan_transforms
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         plan_train, _ = plan_transforms(data, cfg.augment)
@@ -295,10 +295,11 @@ def cpu_name() -> str:
 
 def shard_batches(shard_dir: str, cfg) -> Iterator:
     """Endless training batches of one rank reading ``shard_dir`` (epoch after epoch), like training."""
-    from ..data import shards
-    from ..data.transforms import fast_train_transform
+    from ..data.image.transforms import fast_train_transform
+    from ..data.shards import loader as shards
+    from ..data.shards.manifest import read_manifest
 
-    manifest = shards.read_manifest(shard_dir)
+    manifest = read_manifest(shard_dir)
     kwargs = loader_kwargs(cfg.data, pin_memory=False)
     loader, _, stream = shards.shard_loaders(manifest, 0, 1, cfg.train.batch_size, fast_train_transform(cfg.data),
                                              fast_train_transform(cfg.data), cfg.seed, cfg.data.shuffle_buffer,
@@ -320,7 +321,8 @@ def count_opens() -> dict:
     per shard for shards. ``total`` grows with every open."""
     import collections
 
-    from ..data import image_folder, shards
+    from ..data.image import folder as image_folder
+    from ..data.shards import loader as shards
 
     counter: dict = collections.defaultdict(int)
 

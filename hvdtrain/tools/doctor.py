@@ -50,8 +50,8 @@ from . import doctor_checks as checks
 from .allreduce import bench, print_bandwidth, run_bench
 # The doctor's names, as tests and the CLI know them: the host list and the probe's facts live apart.
 from .doctor_checks import gloo_launcher_hides_env, secrets_note  # noqa: F401
-from .doctor_hosts import (DoctorError, Host, check_host_name, extra_task, parse_hosts, pick_hosts,  # noqa: F401
-                           read_hostfile, srun_probe_command)
+from .doctor_hosts import (DoctorError, Host, check_host_name, extra_task, parse_hosts, pick_hosts, read_hostfile,  # noqa: F401 (re-exported)
+                           srun_probe_command)
 from .process import run_with_deadline
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -82,7 +82,7 @@ def local_facts(data_dir: str | None = None, output_dir: str | None = None) -> d
 
     import hvdtrain
 
-    from .. import dist, launcher
+    from ..comm import dist, launcher_env as launcher
 
     interfaces = {}  # name -> ["10.0.0.5/24", ...]: addresses with their subnets
     for name, addresses in psutil.net_if_addrs().items():

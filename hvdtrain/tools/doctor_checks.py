@@ -242,7 +242,7 @@ def checkpoint_estimate(cfg: Any) -> tuple[int, str] | None:
         return None
     import torch
 
-    from ..model import build_model
+    from ..model.build import build_model
 
     num_classes = cfg.model.num_classes or class_count(cfg) or 1000
     with torch.device("meta"):

@@ -1,6 +1,6 @@
 """``python -m hvdtrain prepare SRC DST``: an ImageFolder becomes WebDataset tar shards.
 
-Layout of DST (the format ``hvdtrain/data/shards.py`` reads, and the ``webdataset`` library too):
+Layout of DST (the format ``hvdtrain/data/shards/loader.py`` reads, and the ``webdataset`` library too):
 
     manifest.json                   classes, images per shard, totals, options, sha256 per shard,
                                     the source files that could not be read or are not images (skipped)
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ..data.file_index import DataError, check_layout, scan_split, sha256_file
+from ..data.files.index import DataError, check_layout, scan_split, sha256_file
 
 FORMAT = "hvdtrain-shards-v1"
 MANIFEST = "manifest.json"

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..data import DataError
-from ..phases import LABELS, PHASES
-from ..rank_logs import RANKS_FILE, attach_rank_detail, rank_ranges
+from ..observe.phases import LABELS, PHASES
+from ..observe.rank_logs import RANKS_FILE, attach_rank_detail, rank_ranges
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -2,7 +2,7 @@
 
 Usage (under a launcher): affinity_probe.py [key=value ...]; with AFFINITY_PROBE_HOLD=FILE in the
 environment, each rank stays up, bound, until FILE exists. Sets a tiny synthetic run up as
-training does (hvdtrain.run.setup: Horovod's threads, the loaders, the model) and prints one JSON
+training does (hvdtrain.train.run.setup: Horovod's threads, the loaders, the model) and prints one JSON
 line per rank: the cores each of its threads may run on, and torch's thread count.
 """
 
@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 from hvdtrain.config import load_config
-from hvdtrain.run import setup
+from hvdtrain.train.run import setup
 
 cfg = load_config(None, ["data.synthetic=true", "model.arch=resnet18", "data.image_size=32", "train.batch_size=4",
                          "output.tensorboard=false", "runtime.stats_interval=0", *sys.argv[1:]])

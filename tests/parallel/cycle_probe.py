@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 
 os.environ["HOROVOD_CYCLE_TIME"] = sys.argv[1]
 if len(sys.argv) > 2:

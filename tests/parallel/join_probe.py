@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 
 dist.init(gpu=False)
 rank = dist.rank()

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 from hvdtrain.api import run_training
 from hvdtrain.cli import train_parser
 from hvdtrain.config import load_config
-from hvdtrain.model import unwrap_state_dict
+from hvdtrain.model.build import unwrap_state_dict
 
 
 def digest(state: dict) -> str:

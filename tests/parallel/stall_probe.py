@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 
 warning, shutdown, late = (int(arg) for arg in sys.argv[1:4])
 dist.init(gpu=False, stall_warning_seconds=warning, stall_shutdown_seconds=shutdown)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain import checkpoint, dist
-from hvdtrain.elastic import ElasticState
-from hvdtrain.state import RunState
+from hvdtrain.checkpoint import io as checkpoint
+from hvdtrain.comm import dist
+from hvdtrain.fault.elastic import ElasticState
+from hvdtrain.train.state import RunState
 
 
 class Counter:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdtrain import checkpoint
+from hvdtrain.checkpoint import io as checkpoint
 from tests.helpers import BIN, job_env, tiny
 
 

@@ -71,7 +71,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_and_keeps_the_last_finite_check
 
 
 def test_the_guard_names_the_first_bad_step_and_counts_scaler_skips():
-    from hvdtrain.engine import FiniteGuard, JobStopped
+    from hvdtrain.train.guard import FiniteGuard, JobStopped
 
     model = torch.nn.Linear(3, 2)
     model(torch.ones(1, 3)).sum().backward()

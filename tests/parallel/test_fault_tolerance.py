@@ -109,7 +109,7 @@ def test_checkpoint_contents_and_retention(straight):
 
 
 def test_keep_prunes_old_numbered_checkpoints(tmp_path):
-    from hvdtrain.checkpoint import CheckpointSaver
+    from hvdtrain.checkpoint.io import CheckpointSaver
 
     saver = CheckpointSaver(tmp_path, keep=2)
     for step in (1, 2, 3):
@@ -156,7 +156,7 @@ def test_a_format_2_checkpoint_still_resumes_exactly(straight, tiny_data, tmp_pa
 
 
 def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path):
-    from hvdtrain.checkpoint import atomic_save, load
+    from hvdtrain.checkpoint.io import atomic_save, load
 
     path = tmp_path / "last.pt"
     atomic_save({"model": {"w": torch.ones(3)}, "optimizer": {}, "epoch": 1, "step": 5, "config": {}}, path)
@@ -224,7 +224,7 @@ def test_resume_with_a_different_number_of_ranks(tiny_data, tmp_path):
     assert [(r["epoch"], r["samples"], r["step"]) for r in train] == [(0, 96, 3 + 6), (1, 96, 3 + 6 + 12)]
     # The learning rate follows the epoch position at the new global batch (8 -> 0.4 * 8 / 256).
     from hvdtrain.config import OptimConfig
-    from hvdtrain.optim import LRSchedule
+    from hvdtrain.optim.build import LRSchedule
 
     schedule = LRSchedule.from_config(OptimConfig(base_lr=0.4, warmup_epochs=1, schedule="cosine"), 8, 2, 12)
     assert train[0]["lr"] == pytest.approx(schedule(11))

@@ -12,7 +12,7 @@ import pytest
 import horovod.torch as hvd
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 from hvdtrain.config import ConfigError
 from tests.helpers import REPO, launch
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hvdtrain.placement import split_cores, topology_order
+from hvdtrain.launch.placement import split_cores, topology_order
 from tests.helpers import BIN, JOB_TIMEOUT, REPO, job_env, launch, launch_command
 
 AFFINITY_PROBE = REPO / "tests" / "parallel" / "affinity_probe.py"
@@ -43,7 +43,7 @@ def test_each_rank_binds_every_thread_to_its_own_cores(kind, tmp_path):
         (block,) = thread_cores(line)  # one set for every thread
         assert line["torch_threads"] == len(block)
         blocks.append(block)
-    order = topology_order(HOST_CORES)  # whole physical cores together (hvdtrain/placement.py)
+    order = topology_order(HOST_CORES)  # whole physical cores together (hvdtrain/launch/placement.py)
     assert blocks == [tuple(sorted(split_cores(order, rank, 2))) for rank in (0, 1)]
     assert set(blocks[0]).isdisjoint(blocks[1]) and sorted(blocks[0] + blocks[1]) == HOST_CORES
     assert f"threads/rank on its own {len(blocks[0])} of the host's cores" in result.stdout

@@ -25,7 +25,7 @@ USERS = 61  # leave_last_out: one validation rating (user) each; 61 = 3 x 20 + 1
 
 @pytest.fixture(scope="module")
 def ratings_dir(tmp_path_factory) -> Path:
-    from hvdtrain.data.movielens import generate_ratings, write_ratings_csv
+    from hvdtrain.data.ratings.movielens import generate_ratings, write_ratings_csv
 
     folder = tmp_path_factory.mktemp("ml-small")
     write_ratings_csv(folder / "ratings.csv", *generate_ratings(num_users=USERS, num_items=400, num_ratings=3000))
@@ -188,7 +188,7 @@ def test_mf_learns_well_below_the_global_mean_on_the_built_in_data(tmp_path):
 def test_ncf_beats_popularity_by_a_clear_margin(tmp_path):
     """NCF on generated ratings of 200 users, 3 epochs of 234 steps: HR@10 clearly above ranking by
     popularity (measured: 0.615 against 0.450; 200 users make a standard error of about 0.035)."""
-    from hvdtrain.data.movielens import generate_ratings, write_ratings_csv
+    from hvdtrain.data.ratings.movielens import generate_ratings, write_ratings_csv
 
     folder = tmp_path / "ml"
     folder.mkdir()

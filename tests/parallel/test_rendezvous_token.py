@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from hvdtrain.ray_launch import Placement, assign_ranks, rank_env, rendezvous_addr, start_rendezvous
+from hvdtrain.launch.ray import Placement, assign_ranks, rank_env, rendezvous_addr, start_rendezvous
 from tests.helpers import BIN, job_env
 
 ADDRESS = "127.0.0.1"
@@ -95,7 +95,7 @@ def test_two_ranks_rendezvous_through_it_with_the_token_in_their_environment(ren
 
 
 def test_a_rendezvous_address_that_is_not_this_machines_is_one_line():
-    from hvdtrain.ray_launch import RayLaunchError
+    from hvdtrain.launch.ray import RayLaunchError
 
     with pytest.raises(RayLaunchError, match="give --rendezvous-addr an address of this machine"):
         start_rendezvous(0, "192.0.2.77")  # TEST-NET-1: never a local address

@@ -117,7 +117,7 @@ def test_object_storage_failures_are_one_line_each(s3, monkeypatch):
     import s3fs
 
     from hvdtrain.data import DataError
-    from hvdtrain.data.shards import read_manifest
+    from hvdtrain.data.shards.manifest import read_manifest
 
     assert read_manifest(s3).train.size == 96
     cases = [

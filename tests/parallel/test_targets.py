@@ -20,7 +20,7 @@ COMMON = ["output.tensorboard=false", "output.progress=false", "runtime.stats_in
 
 @pytest.fixture(scope="module")
 def ratings_dir(tmp_path_factory) -> Path:
-    from hvdtrain.data.movielens import generate_ratings, write_ratings_csv
+    from hvdtrain.data.ratings.movielens import generate_ratings, write_ratings_csv
 
     folder = tmp_path_factory.mktemp("ratings")
     write_ratings_csv(folder / "ratings.csv", *generate_ratings(num_users=40, num_items=200, num_ratings=2000))

@@ -88,14 +88,14 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def resolved_config(run_dir: Path) -> dict[str, str]:
-    from hvdtrain.tracking import flatten
+    from hvdtrain.observe.tracking import flatten
 
     return {key: str(value) for key, value in flatten(yaml.safe_load((run_dir / "config.yaml").read_text())).items()}
 
 
 def epoch_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """metrics.jsonl as tracker series: ``val/top1`` -> [(step, value), ...]."""
-    from hvdtrain.tracking import epoch_values
+    from hvdtrain.observe.tracking import epoch_values
 
     series: dict[str, list[tuple[int, float]]] = {}
     for record in records(run_dir):
@@ -192,7 +192,7 @@ def test_one_tracked_run_across_sigterm_and_resume_horovodrun(mlflow_uri, tiny_d
     config = [r["run"]["config"]["update"] for r in parts[0] if r["type"] == "run"][0]
     env = config.pop("env")
     config.pop("_wandb", None)
-    from hvdtrain.tracking import flatten
+    from hvdtrain.observe.tracking import flatten
 
     assert config == flatten(yaml.safe_load((run_dir / "config.yaml").read_text()))  # JSON writes 0.0 as 0
     assert env["world_size"] == 2 and env["torch_version"] == torch.__version__

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hvdtrain import checkpoint
+from hvdtrain.checkpoint import io as checkpoint
 from hvdtrain.data.demo import generate
-from hvdtrain.data.file_index import build_index
+from hvdtrain.data.files.index import build_index
 from hvdtrain.data.sampler import ShardedSampler
 from tests.helpers import BIN, DEBUG, PROBE, assert_bitwise_equal, final_states, job_env, launch
 
@@ -38,7 +38,8 @@ from pathlib import Path
 
 
 def main():
-    from hvdtrain import dist, trainer
+    from hvdtrain.comm import dist
+    from hvdtrain.train import trainer
     from hvdtrain.cli import main as hvdtrain_main
 
     step, folder = int(os.environ["VANISH_AT_STEP"]), Path(os.environ["VANISH_FOLDER"])

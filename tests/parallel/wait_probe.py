@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 
 late = float(sys.argv[1])
 dist.init(gpu=False)

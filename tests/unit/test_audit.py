@@ -9,8 +9,8 @@ import copy
 
 import torch
 
-from hvdtrain.audit import compare, fingerprint, tensor_print
-from hvdtrain.state import RunState
+from hvdtrain.fault.audit import compare, fingerprint, tensor_print
+from hvdtrain.train.state import RunState
 
 
 def small_state(scaler: bool = False) -> RunState:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain.tasks.recommendation import fit_biases
+from hvdtrain.tasks.recommendation.task import fit_biases
 
 
 def planted(seed: int = 0, users: int = 300, items: int = 200, ratings: int = 30000, noise: float = 0.5):

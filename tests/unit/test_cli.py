@@ -26,14 +26,14 @@ def rank_zero(monkeypatch):
 @pytest.fixture
 def no_training(monkeypatch):
     """A stand-in trainer that fails the test if a run gets as far as training."""
-    fake = types.ModuleType("hvdtrain.trainer")
+    fake = types.ModuleType("hvdtrain.train.trainer")
 
     def train(cfg):
         raise AssertionError("training started")
 
     fake.train = train
     fake.JobStopped = fake.Preempted = type("NotRaised", (Exception,), {})
-    monkeypatch.setitem(sys.modules, "hvdtrain.trainer", fake)
+    monkeypatch.setitem(sys.modules, "hvdtrain.train.trainer", fake)
 
 
 def one_error_line(capsys) -> str:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hvdtrain.engine import DeviceBatches, tensors_in
+from hvdtrain.train.engine import DeviceBatches, tensors_in
 
 
 class Task:

@@ -19,10 +19,10 @@ os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")  # as hvdtrain sets it befo
 pytest.importorskip("nvidia.nvimgcodec", reason="the gpudecode extra (nvImageCodec) is not installed")
 
 from hvdtrain.config import ConfigError, load_config  # noqa: E402
-from hvdtrain.data.device_decode import DeviceDecoder, EncodedBatch, Planned, plan_transforms  # noqa: E402
-from hvdtrain.data.image_folder import ImageFiles, collate  # noqa: E402
+from hvdtrain.data.image.device_decode import DeviceDecoder, EncodedBatch, Planned, plan_transforms  # noqa: E402
+from hvdtrain.data.image.folder import ImageFiles, collate  # noqa: E402
 from hvdtrain.data.sampler import SeededSamples  # noqa: E402
-from hvdtrain.data.transforms import fast_eval_transform, fast_train_transform  # noqa: E402
+from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_transform  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -106,7 +106,7 @@ def test_for_the_same_crop_box_the_device_gives_the_cpu_decoders_pixels_within_r
     bilinear)."""
     import simplejpeg
 
-    from hvdtrain.data.decode import crop_resize
+    from hvdtrain.data.image.crops import crop_resize
 
     _, (images, _, _), encoded = both_paths(folder, "train", [])
     compared = 0
@@ -178,7 +178,7 @@ def test_bench_data_times_both_halves_of_the_device_pipeline(tmp_path, capsys):
 def test_auto_picks_the_cpu_pipeline_without_a_gpu_and_a_missing_library_is_one_line(monkeypatch):
     import builtins
 
-    from hvdtrain.data.device_decode import choose
+    from hvdtrain.data.image.device_decode import choose
 
     assert choose("auto", CPU) == "cpu" and choose("cpu", CPU) == "cpu" and choose("nvimgcodec", CPU) == "nvimgcodec"
     real_import = builtins.__import__

@@ -11,8 +11,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from hvdtrain import checkpoint
-from hvdtrain.metrics import MetricsWriter
+from hvdtrain.checkpoint import io as checkpoint
+from hvdtrain.observe.metrics import MetricsWriter
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from hvdtrain import builders, dist, horovod_env
-from hvdtrain.buckets import gradient_buckets
+from hvdtrain.train import builders
+from hvdtrain.comm import dist, horovod_env
+from hvdtrain.comm.buckets import gradient_buckets
 from hvdtrain.config import load_config
 from hvdtrain.config import ConfigError
 

@@ -16,8 +16,8 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 PACKAGE = ROOT / "hvdtrain"
 
 # Class names docs/architecture.md uses without their module.
-CLASSES = {"RunState": "state", "Position": "state", "StepSettings": "engine", "Run": "run", "Task": "tasks",
-           "DataEnv": "tasks"}
+CLASSES = {"RunState": "state", "Position": "state", "StepSettings": "engine", "Run": "run", "Task": "tasks.base",
+           "DataEnv": "tasks.base"}
 
 
 def package_modules() -> set[str]:
@@ -86,9 +86,9 @@ def test_readme_names_no_missing_module_file():
 def test_the_check_sees_a_missing_row():
     """The tables' parser is not vacuous: dropping a row is noticed."""
     section = where_things_live(README.read_text())
-    row = next(line for line in section.splitlines() if line.startswith("| `hvdtrain/data/tar.py`"))
-    assert "hvdtrain/data/tar.py" in listed_paths(section)
-    assert "hvdtrain/data/tar.py" not in listed_paths(section.replace(row + "\n", ""))
+    row = next(line for line in section.splitlines() if line.startswith("| `hvdtrain/data/shards/tar.py`"))
+    assert "hvdtrain/data/shards/tar.py" in listed_paths(section)
+    assert "hvdtrain/data/shards/tar.py" not in listed_paths(section.replace(row + "\n", ""))
 
 
 def module_names() -> set[str]:
@@ -170,13 +170,13 @@ def test_architecture_names_exist_where_it_says():
 def test_architecture_names_only_existing_files():
     prose = ARCHITECTURE.read_text()
     files = set(re.findall(r"`((?:[\w/]+/)?\w+\.py)`", prose))
-    assert "dist.py" in files
+    assert "comm/dist.py" in files
     absent = sorted(name for name in files if not any((base / name).is_file() for base in (PACKAGE, ROOT)))
     assert not absent, f"docs/architecture.md names files that do not exist: {absent}"
 
 
 def test_the_name_check_sees_a_function_named_in_the_wrong_module():
     assert resolve("builders.build_model") is None
-    assert resolve("run.build_model") == "'run.build_model' is defined in hvdtrain.builders, not hvdtrain.run"
+    assert resolve("run.build_model") == "'run.build_model' is defined in hvdtrain.train.builders, not hvdtrain.train.run"
     assert resolve("run.no_such_function") is not None
     assert resolve("Run.task") is None and resolve("StepSettings.after_optimizer_step") is None

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from hvdtrain import launcher
+from hvdtrain.comm import launcher_env as launcher
 from hvdtrain.tools import allreduce, process
 from hvdtrain.tools.allreduce import bus_bandwidth, print_bandwidth, reached, read_steps, stall_message
 from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, interface_line, parse_hosts, parse_sizes,

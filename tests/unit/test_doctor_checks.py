@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hvdtrain.config import load_config
-from hvdtrain.model import build_model
+from hvdtrain.model.build import build_model
 from hvdtrain.tools import doctor_checks as checks
 from hvdtrain.tools.doctor import Host
 from hvdtrain.tools.doctor_hosts import extra_task, pick_hosts, slurm_hosts, srun_probe_command, tasks_per_node

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from hvdtrain import dist
+from hvdtrain.comm import dist
 from hvdtrain.config import Config
-from hvdtrain.engine import StepSettings, evaluate, train_one_epoch
-from hvdtrain.optim import LRSchedule
-from hvdtrain.state import RunState
+from hvdtrain.train.engine import StepSettings, evaluate, train_one_epoch
+from hvdtrain.optim.build import LRSchedule
+from hvdtrain.train.state import RunState
 from hvdtrain.tasks import Task
 
 LR = 0.05

@@ -19,13 +19,14 @@ from PIL import Image
 from torchvision import models
 
 from hvdtrain.config import AugmentConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, load_config
-from hvdtrain.data.decode import CenterCrop, FlipOnly, PadCrop, TrainCrop
+from hvdtrain.data.image.crops import CenterCrop, FlipOnly, PadCrop, TrainCrop
 from hvdtrain.data.demo import generate
-from hvdtrain.data.file_index import DataError
-from hvdtrain.data.transforms import fast_train_transform
-from hvdtrain.finetune import (WeightsError, apply_freeze, classifier_name, fit_weights, load_weights,
-                               fetch_torchvision_weights, read_weights_file, torchvision_weights_file)
-from hvdtrain.optim import build_sgd, set_lr
+from hvdtrain.data.files.index import DataError
+from hvdtrain.data.image.transforms import fast_train_transform
+from hvdtrain.model.build import classifier_name
+from hvdtrain.model.finetune import (WeightsError, apply_freeze, fit_weights, load_weights,
+                                     fetch_torchvision_weights, read_weights_file, torchvision_weights_file)
+from hvdtrain.optim.build import build_sgd, set_lr
 from hvdtrain.tasks.image_classification import file_datasets
 
 
@@ -231,7 +232,7 @@ def test_torchvision_weights_names_use_the_hub_cache(tmp_path, monkeypatch):
 
 
 def test_timm_models_and_their_checkpoints(tmp_path, monkeypatch):
-    from hvdtrain.model import build_model
+    from hvdtrain.model.build import build_model
 
     torch.manual_seed(0)
     source = build_model(ModelConfig(arch="timm/test_resnet"), 7)

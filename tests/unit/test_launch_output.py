@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import threading
 
-from hvdtrain import launch
+from hvdtrain.launch import horovodrun as launch
 
 TOKEN = "ab" * 16
 HOROVODRUN_TRACEBACK = """Traceback (most recent call last):

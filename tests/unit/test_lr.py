@@ -3,7 +3,7 @@ import math
 import pytest
 
 from hvdtrain.config import OptimConfig
-from hvdtrain.optim import LRSchedule, lr_at, param_groups, scaled_lr
+from hvdtrain.optim.build import LRSchedule, lr_at, param_groups, scaled_lr
 
 IMAGENET_TRAIN = 1281167
 

@@ -1,7 +1,7 @@
 import torch
 
 from hvdtrain.config import Config
-from hvdtrain.metrics import MetricSums
+from hvdtrain.observe.metrics import MetricSums
 from hvdtrain.tasks.image_classification import ImageClassification, hit_counts, summarize
 
 

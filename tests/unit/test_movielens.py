@@ -14,11 +14,11 @@ import torch
 
 from hvdtrain.config import ConfigError, load_config
 from hvdtrain.data import DataError
-from hvdtrain.data.movielens import (find_ratings_file, generate_ratings, load_split, parse_ratings, split_mask,
-                                     write_ratings_csv)
-from hvdtrain.data.ratings import ImplicitPairs, PairSet, RankedCandidates
-from hvdtrain.tasks.recommendation import (IdMap, Recommendation, ranking_sums, summarize_explicit,
-                                           summarize_implicit)
+from hvdtrain.data.ratings.movielens import (find_ratings_file, generate_ratings, load_split, parse_ratings, split_mask,
+                                             write_ratings_csv)
+from hvdtrain.data.ratings.batches import ImplicitPairs, PairSet, RankedCandidates
+from hvdtrain.tasks.recommendation.task import (IdMap, Recommendation, ranking_sums, summarize_explicit,
+                                                summarize_implicit)
 
 # (user, item, rating, timestamp): user 7 rated three movies, user 3 two, user 12 one.
 ROWS = [(7, 50, 4.0, 300), (3, 50, 3.5, 100), (7, 10, 5.0, 900), (12, 10, 1.0, 50), (3, 99, 2.0, 400),
@@ -106,7 +106,7 @@ def test_leave_last_out_holds_out_each_users_latest_rating(tmp_path):
 
 def test_random_split_is_a_seeded_fraction():
     users, items, values, stamps = generate_ratings(num_users=30, num_items=200, num_ratings=1000, seed=1)
-    from hvdtrain.data.movielens import remap
+    from hvdtrain.data.ratings.movielens import remap
 
     ratings = remap(users, items, values, stamps)
     a, b, c = (split_mask(ratings, "random", 0.2, seed) for seed in (5, 5, 6))

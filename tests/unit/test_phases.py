@@ -1,11 +1,11 @@
-"""Step phases, their fractions and the straggler rule (phases.py), on a clock the test drives."""
+"""Step phases, their fractions and the straggler rule (observe/phases.py), on a clock the test drives."""
 
 from __future__ import annotations
 
 import pytest
 
-from hvdtrain import phases
-from hvdtrain.phases import StepClock, epoch_phases, find_stragglers, straggler_line
+from hvdtrain.observe import phases
+from hvdtrain.observe.phases import StepClock, epoch_phases, find_stragglers, straggler_line
 
 
 class FakeTime:

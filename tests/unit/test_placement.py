@@ -1,4 +1,4 @@
-"""runtime.cpu_affinity's decisions (hvdtrain/placement.py); the binding of real launches is in
+"""runtime.cpu_affinity's decisions (hvdtrain/launch/placement.py); the binding of real launches is in
 tests/parallel/test_placement.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hvdtrain import placement
+from hvdtrain.launch import placement
 
 
 @pytest.mark.parametrize("cores, size, blocks", [
@@ -96,7 +96,7 @@ def test_threads_stay_where_they_were(host, mode, device, elastic, everyone):
 
 
 def test_bind_threads_moves_the_threads_already_running():
-    code = ("import json, os, threading, time; from hvdtrain.placement import bind_threads; "
+    code = ("import json, os, threading, time; from hvdtrain.launch.placement import bind_threads; "
             "core = min(os.sched_getaffinity(0)); stop = threading.Event(); "
             "worker = threading.Thread(target=stop.wait); worker.start(); bind_threads([core]); "
             "print(json.dumps({t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')})); "

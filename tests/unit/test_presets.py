@@ -19,30 +19,15 @@ import torch.nn.functional as F
 from PIL import Image, ImageFilter
 from torchvision import models, transforms
 
-from hvdtrain.config import (
-    PACKAGED_CONFIGS,
-    AugmentConfig,
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    load_config,
-    validates_after,
-)
-from hvdtrain.data.decode import CenterCrop
-from hvdtrain.data.policies import (
-    TIMM_OPS,
-    TimmRandAugment,
-    apply_timm_op,
-    pil_affine,
-    policy_ops,
-    strength,
-    timm_op_argument,
-)
-from hvdtrain.data.transforms import fast_eval_transform, val_resize_size
-from hvdtrain.model import BlurPoolConv2d, build_model
-from hvdtrain.optim import LRSchedule, build_optimizer, decay_exempt, lr_at, param_groups
-from hvdtrain.optimizers import LAMB, LARS
+from hvdtrain.config import (PACKAGED_CONFIGS, AugmentConfig, ConfigError, DataConfig, ModelConfig, OptimConfig,
+                             load_config, validates_after)
+from hvdtrain.data.image.crops import CenterCrop
+from hvdtrain.data.image.policies import (TIMM_OPS, TimmRandAugment, apply_timm_op, pil_affine, policy_ops, strength,
+                                          timm_op_argument)
+from hvdtrain.data.image.transforms import fast_eval_transform, val_resize_size
+from hvdtrain.model.build import BlurPoolConv2d, build_model
+from hvdtrain.optim.build import LRSchedule, build_optimizer, decay_exempt, lr_at, param_groups
+from hvdtrain.optim.lars_lamb import LAMB, LARS
 from hvdtrain.tasks.image_classification import bce_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +156,7 @@ def test_exemption_rules_on_resnet50(resnet50):
     assert decay_exempt(resnet50, "ndim") == vectors and len(vectors) == 107
     # Goyal et al. and NVIDIA's MLPerf LARS (fit.py:418-424): BatchNorm exempt, the fc bias decayed.
     assert vectors - decay_exempt(resnet50, "norm") == {"fc.bias"}
-    # FFCV (train_imagenet.py:197) and NVIDIA DeepLearningExamples (optimizers.py:42): 'bn' in name.
+    # FFCV (train_imagenet.py:197) and NVIDIA DeepLearningExamples (optim/lars_lamb.py:42): 'bn' in name.
     by_name = vectors - decay_exempt(resnet50, "names", "bn")
     assert by_name == {"fc.bias"} | {f"layer{i}.0.downsample.1.{p}" for i in range(1, 5) for p in ("weight", "bias")}
 
@@ -414,7 +399,7 @@ def test_validation_every_n_epochs_with_an_offset_as_mxnets_fit():
 
 
 def test_an_epoch_without_validation_checkpoints_and_logs_training_only(monkeypatch, capsys):
-    import hvdtrain.run as run_module
+    import hvdtrain.train.outputs as run_module
 
     calls = []
     monkeypatch.setattr(run_module, "evaluate", lambda *a, **k: calls.append("evaluate") or {})
@@ -460,7 +445,7 @@ def test_bad_settings_of_the_new_keys_get_one_line(overrides, words):
 # --- the start-up line --------------------------------------------------------------------------------------
 
 def startup(name: str, ranks: int = 8) -> str:
-    from hvdtrain.run import recipe_line
+    from hvdtrain.train.run import recipe_line
 
     cfg = load_config(name)
     global_batch = cfg.train.batch_size * ranks

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hvdtrain import launcher
-from hvdtrain.ray_launch import (Placement, RayLaunchError, assign_ranks, describe_exit, host_names, node_gpus,
+from hvdtrain.comm import launcher_env as launcher
+from hvdtrain.launch.ray import (Placement, RayLaunchError, assign_ranks, describe_exit, host_names, node_gpus,
                                  parse_args, rank_env)
 from tests.helpers import REPO
 

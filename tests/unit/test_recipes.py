@@ -14,20 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.config import (
-    PACKAGED_CONFIGS,
-    AugmentConfig,
-    ConfigError,
-    EmaConfig,
-    OptimConfig,
-    load_config,
-)
-from hvdtrain.data.mixing import BatchMix, MixDraw, cutmix_draw
-from hvdtrain.data.policies import Augmented, policy_ops, resolution_at
+from hvdtrain.config import PACKAGED_CONFIGS, AugmentConfig, ConfigError, EmaConfig, OptimConfig, load_config
+from hvdtrain.data.image.mixing import BatchMix, MixDraw, cutmix_draw
+from hvdtrain.data.image.policies import Augmented, policy_ops
+from hvdtrain.data.image.resolution import resolution_at
 from hvdtrain.data.sampler import SeededSamples
-from hvdtrain.ema import ModelEma, ema_decay
-from hvdtrain.optim import LRSchedule, build_optimizer, lr_at
-from hvdtrain.optimizers import LAMB, LARS
+from hvdtrain.optim.ema import ModelEma, ema_decay
+from hvdtrain.optim.build import LRSchedule, build_optimizer, lr_at
+from hvdtrain.optim.lars_lamb import LAMB, LARS
 
 RECIPES = ["ffcv_rn50_16_epochs", "ffcv_rn50_32_epochs", "ffcv_rn50_88_epochs", "mlperf_lars_rn50",
            "nvidia_rn50_v15", "timm_rsb_a3"]
@@ -247,7 +241,7 @@ def test_soft_targets_score_the_dominant_label(tmp_path):
 # --- per-sample policies ------------------------------------------------------------------------
 
 class Crops(torch.utils.data.Dataset):
-    """Random uint8 'decoded crops' (HWC memory, like decode.TrainCrop's) through a policy op."""
+    """Random uint8 'decoded crops' (HWC memory, like crops.TrainCrop's) through a policy op."""
 
     def __init__(self, op):
         self.images = torch.randint(0, 256, (4, 24, 24, 3), dtype=torch.uint8,

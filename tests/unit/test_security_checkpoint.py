@@ -136,7 +136,7 @@ def test_a_recorded_name_prints_as_one_line(tmp_path, capsys):
 def test_model_arch_from_a_checkpoint_reaches_no_import(arch):
     # model.arch names an entry of torchvision's or timm's registry, nothing else.
     from hvdtrain.config import ModelConfig
-    from hvdtrain.model import build_model
+    from hvdtrain.model.build import build_model
 
     with pytest.raises(ConfigError, match="config key 'model.arch': unknown (torchvision|timm) model"):
         build_model(ModelConfig(arch=arch), num_classes=10)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hvdtrain.data.demo import generate
-from hvdtrain.data.file_index import DataError, LayoutError, build_index, scan_split
-from hvdtrain.data.movielens import CSV_HEADER, load_split
+from hvdtrain.data.files.index import DataError, LayoutError, build_index, scan_split
+from hvdtrain.data.ratings.movielens import CSV_HEADER, load_split
 from hvdtrain.tools.prepare import PrepareError, prepare
 
 ROWS = [(u, i, r, 1000 + 10 * u + i) for u in range(1, 21) for i, r in zip(range(1, 9), (3, 4, 5, 2.5, 3.5, 4, 1, 5))]
@@ -44,7 +44,7 @@ def test_a_link_planted_at_the_old_temporary_name_clobbers_nothing(tmp_path):
     path = write_ratings(shared)
     victim = tmp_path / "victim.txt"
     victim.write_text("the victim's file")
-    from hvdtrain.data.movielens import cache_key
+    from hvdtrain.data.ratings.movielens import cache_key
 
     for split, fraction in (("leave_last_out", 0.1), ("random", 0.1)):
         old_name = f".{path.name}.hvdtrain-{cache_key(path, split, fraction, 0, 'fail')}.npz"
@@ -195,7 +195,7 @@ def test_links_without_a_loop_are_still_followed(source, tmp_path):
 # --- temporary files in cache folders --------------------------------------------------------------
 
 def test_the_file_index_cache_is_not_written_through_a_planted_link(source, tmp_path):
-    from hvdtrain.data.file_index import cache_file
+    from hvdtrain.data.files.index import cache_file
 
     cache = tmp_path / "cache"
     victim = tmp_path / "victim.txt"

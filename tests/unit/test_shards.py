@@ -19,10 +19,12 @@ import pytest
 import torch
 
 from hvdtrain.config import Config
-from hvdtrain.data import shards
+from hvdtrain.data.shards import loader as shards
+from hvdtrain.data.shards import manifest as shard_manifest
+from hvdtrain.data.shards import order as shard_order
 from hvdtrain.data.demo import generate
-from hvdtrain.data.file_index import DataError, scan_split
-from hvdtrain.data.transforms import fast_eval_transform, fast_train_transform
+from hvdtrain.data.files.index import DataError, scan_split
+from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_transform
 from hvdtrain.tools.prepare import PrepareError, prepare
 from tests.helpers import REPO
 
@@ -129,15 +131,15 @@ def test_killed_prepare_leaves_no_partial_shard_and_resumes_to_identical_output(
 
 # --- the reader ----------------------------------------------------------------------------------
 
-def counts_split(counts: list[int]) -> shards.Split:
+def counts_split(counts: list[int]) -> shard_manifest.Split:
     counts_array = np.array(counts, dtype=np.int64)
-    return shards.Split([f"s{i}" for i in range(len(counts))], counts_array,
+    return shard_manifest.Split([f"s{i}" for i in range(len(counts))], counts_array,
                         np.concatenate([[0], np.cumsum(counts_array)]))
 
 
-def stream_for(split: shards.Split, rank: int, world: int, workers: int, batch: int, training: bool = True,
+def stream_for(split: shard_manifest.Split, rank: int, world: int, workers: int, batch: int, training: bool = True,
                buffer: int = 7) -> shards.ShardStream:
-    manifest = shards.Manifest("unused", ["a"], split, split)
+    manifest = shard_manifest.Manifest("unused", ["a"], split, split)
     return shards.ShardStream(manifest, "train" if training else "val", rank, world, workers, batch,
                               transform=None, seed=3, shuffle_buffer=buffer, training=training)
 
@@ -162,15 +164,15 @@ def emitted(stream: shards.ShardStream, monkeypatch) -> list[list[int]]:
 
 def test_shards_are_permuted_by_seed_and_epoch():
     split = counts_split([5, 5, 5, 5, 5, 3])
-    first = shards.epoch_sequence(split, seed=0, epoch=0)
+    first = shard_order.epoch_sequence(split, seed=0, epoch=0)
     assert sorted(first.tolist()) == list(range(28))
-    assert np.array_equal(first, shards.epoch_sequence(split, seed=0, epoch=0))
-    assert not np.array_equal(first, shards.epoch_sequence(split, seed=0, epoch=1))
-    assert not np.array_equal(first, shards.epoch_sequence(split, seed=1, epoch=0))
+    assert np.array_equal(first, shard_order.epoch_sequence(split, seed=0, epoch=0))
+    assert not np.array_equal(first, shard_order.epoch_sequence(split, seed=0, epoch=1))
+    assert not np.array_equal(first, shard_order.epoch_sequence(split, seed=1, epoch=0))
     # Records stay in runs of whole shards (sequential reads).
     starts = [value for value in first.tolist() if value in split.offsets[:-1].tolist()]
     assert len(starts) == 6
-    order = shards.buffer_order(np.arange(100), 10, seed=5)
+    order = shard_order.buffer_order(np.arange(100), 10, seed=5)
     assert sorted(order.tolist()) == list(range(100)) and order.tolist() != list(range(100))
 
 
@@ -267,7 +269,7 @@ def test_undecodable_records_are_replaced_in_training_and_dropped_in_validation(
     bad_shard(tmp_path / "s.tar", good)
     split = counts_split([4])
     split.names = ["s.tar"]
-    manifest = shards.Manifest(str(tmp_path), ["a", "b", "c"], split, split)
+    manifest = shard_manifest.Manifest(str(tmp_path), ["a", "b", "c"], split, split)
     cfg = Config()
     cfg.data.image_size = 16
     train = shards.ShardStream(manifest, "train", 0, 1, 0, 4, fast_train_transform(cfg.data), 0, 0, True)
@@ -284,11 +286,11 @@ def test_undecodable_records_are_replaced_in_training_and_dropped_in_validation(
 def test_progressive_resizing_reaches_the_shard_reader_and_its_workers(prepared):
     from torch.utils.data import DataLoader
 
-    from hvdtrain.data.policies import epoch_resolution
+    from hvdtrain.data.image.resolution import epoch_resolution
 
     cfg = Config()
     cfg.data.image_size, cfg.data.min_res, cfg.data.max_res, cfg.data.end_ramp = 32, 16, 32, 1
-    manifest = shards.read_manifest(str(prepared))
+    manifest = shard_manifest.read_manifest(str(prepared))
     stream = shards.ShardStream(manifest, "train", 0, 1, 1, 8, fast_train_transform(cfg.data), 0, 0, True,
                                 epoch_resolution(cfg.data))
     # One worker process (forkserver, as training uses): the schedule travels pickled with the stream.
@@ -303,4 +305,4 @@ def test_progressive_resizing_reaches_the_shard_reader_and_its_workers(prepared)
 
 def test_missing_manifest_is_one_line(tmp_path):
     with pytest.raises(DataError, match="no manifest.json in data.dir"):
-        shards.read_manifest(str(tmp_path))
+        shard_manifest.read_manifest(str(tmp_path))

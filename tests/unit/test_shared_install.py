@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain import launch, run_folder
+from hvdtrain.launch import horovodrun as launch
+from hvdtrain.train import run_folder
 from hvdtrain.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from hvdtrain.attempts import exit_of, job_identity
+from hvdtrain.fault.attempts import exit_of, job_identity
 
 REQUEUE = Path(__file__).resolve().parents[2] / "hostfiles" / "slurm" / "requeue.sh"
 # Exits with $CODE, or with 75 once it gets SIGUSR1 (as the ranks do after their checkpoint).
@@ -69,7 +69,7 @@ def test_the_requeues_are_capped(tmp_path):
 
 def test_attempt_records_name_the_job_and_the_exit():
     from hvdtrain.config import ConfigError
-    from hvdtrain.run import Preempted
+    from hvdtrain.train.stops import Preempted
 
     assert exit_of(None) == (0, "finished")
     assert exit_of(Preempted("stopped by SIGTERM in epoch 2/3")) == (75, "stopped by SIGTERM in epoch 2/3")
@@ -90,7 +90,7 @@ def test_attempt_records_name_the_job_and_the_exit():
 def test_a_stop_signal_during_start_up_is_kept_for_the_first_step():
     """Slurm's signal ahead of the time limit may come while the ranks still build their loaders: it
     must not end them (SIGUSR1's default action does), but stop the run at its first step."""
-    from hvdtrain.preemption import StopRequest
+    from hvdtrain.fault.preemption import StopRequest
 
     before = signal.getsignal(signal.SIGUSR1)
     stop = StopRequest()

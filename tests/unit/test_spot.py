@@ -1,4 +1,4 @@
-"""Spot/preemption notices (hvdtrain/spot.py) against a real HTTP server on loopback that answers
+"""Spot/preemption notices (hvdtrain/fault/spot.py) against a real HTTP server on loopback that answers
 as each cloud's metadata endpoint does: no notice, then a notice."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from hvdtrain.config import ConfigError, load_config
-from hvdtrain.preemption import StopRequest
-from hvdtrain.spot import Aws, NoticeWatcher, Unreachable
+from hvdtrain.fault.preemption import StopRequest
+from hvdtrain.fault.spot import Aws, NoticeWatcher, Unreachable
 from tests.metadata_server import AWS_TOKEN, free_port, metadata_server
 
 NOTICES = {
@@ -64,7 +64,7 @@ def test_an_expired_aws_token_is_renewed_once():
 
 def test_an_azure_preempt_event_for_another_vm_is_not_ours():
     with metadata_server("azure") as server:
-        from hvdtrain.spot import Azure
+        from hvdtrain.fault.spot import Azure
 
         azure = Azure(server.url)
         azure.vm_name = "some-other-vm"
@@ -88,7 +88,7 @@ def test_an_unreachable_endpoint_is_said_once_and_never_blocks(cloud):
 
 def test_a_server_that_is_not_the_clouds_is_unreachable():
     with metadata_server("aws") as server:  # answers 404 to GCP's path, and without Metadata-Flavor
-        from hvdtrain.spot import Gcp
+        from hvdtrain.fault.spot import Gcp
 
         with pytest.raises(Unreachable, match="without Metadata-Flavor: Google"):
             Gcp(server.url).check()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdtrain.finetune import WeightsError, fetch_torchvision_weights
+from hvdtrain.model.finetune import WeightsError, fetch_torchvision_weights
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "scripts" / "wheel-check.sh"
@@ -181,7 +181,7 @@ def test_downloaded_torchvision_weights_must_match_the_published_hash(tmp_path, 
     good = b"weights whose hash the file name carries"
     prefix = hashlib.sha256(good).hexdigest()[:8]
     named = cached.with_name(f"model-{prefix}.pth")
-    monkeypatch.setattr("hvdtrain.finetune.torchvision_weights_file",
+    monkeypatch.setattr("hvdtrain.model.finetune.torchvision_weights_file",
                         lambda arch, spec: (named, f"https://download.pytorch.org/models/{named.name}"))
     assert fetch_torchvision_weights("resnet18", "X", download=lambda url, target: Path(target).write_bytes(good)) \
         == named

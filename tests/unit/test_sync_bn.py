@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hvdtrain import sync_bn
+from hvdtrain.model import sync_bn
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import warnings
 import psutil
 import pytest
 
-from hvdtrain.sysstats import KEYS, StatsSampler, across_ranks, nvml_device_id, summarize_samples
+from hvdtrain.observe.sysstats import KEYS, StatsSampler, across_ranks, nvml_device_id, summarize_samples
 
 GPU_KEYS = {"gpu_util_percent", "gpu_mem_used_gib", "gpu_mem_total_gib", "gpu_power_w"}
 BUSY_CHILD = [sys.executable, "-c", "while True: pass"]
@@ -130,7 +130,7 @@ def test_busy_worker_started_before_the_sampler(busy_child):
 def test_workers_that_come_and_go(caplog):
     """Short-lived children exit between being listed and being read, or between samples, and a
     zombie (exited, not yet reaped) is listed: none of it may break a sample."""
-    caplog.set_level(logging.DEBUG, logger="hvdtrain.sysstats")
+    caplog.set_level(logging.DEBUG, logger="hvdtrain.observe.sysstats")
     existing = existing_children()
     with StatsSampler(interval=0.01, scan_interval=0.0) as sampler:
         end = time.perf_counter() + 0.6

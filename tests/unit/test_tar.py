@@ -5,7 +5,7 @@ import tarfile
 
 import pytest
 
-from hvdtrain.data.tar import TarError, TarReader
+from hvdtrain.data.shards.tar import TarError, TarReader
 
 MEMBERS = [("n01440764_10026.jpg", b"\xff\xd8" + bytes(range(256)) * 9), ("n01440764_10026.cls", b"3"),
            ("sub/dir/" + "k" * 120 + ".png", b"png" * 700), ("sub/dir/" + "k" * 120 + ".cls", b"12"),

@@ -10,13 +10,12 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
 
-from hvdtrain.config import (MOVED_KEYS, Config, ConfigError, describe_keys, dump_yaml, from_dict, load_config,
-                             to_dict, validate)
+from hvdtrain.config import (MOVED_KEYS, Config, ConfigError, describe_keys, dump_yaml, from_dict, load_config, to_dict,
+                             validate)
 from hvdtrain.config.root import CORE_SECTIONS
 from hvdtrain.tasks import registry
 from tests.helpers import REPO
@@ -93,7 +92,7 @@ def test_a_shipped_tasks_settings_from_yaml_and_the_command_line(tmp_path):
     late = load_config(None, ["recommendation.negatives=7", "model.arch=mf", "task=recommendation"])
     assert late.recommendation.negatives == 7
     # The shipped table and the class agree.
-    from hvdtrain.tasks.recommendation import Recommendation
+    from hvdtrain.tasks.recommendation.task import Recommendation
     assert registry.settings_of("recommendation") == ("recommendation", Recommendation.settings_class)
     assert registry.settings_of("image_classification") == ("", None)
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from hvdtrain import tracking, tracking_sender
+from hvdtrain.observe import tracking, tracking_sender
 from hvdtrain.config import ConfigError, load_config
-from hvdtrain.metrics import MetricSums
+from hvdtrain.observe.metrics import MetricSums
 
 
 def test_a_tracker_that_is_not_installed_stops_with_how_to_install_it(monkeypatch):
@@ -93,9 +93,9 @@ def test_a_hanging_tracker_never_holds_the_training_thread(monkeypatch, tmp_path
 SENDER_SCRIPT = """
 import os, sys, torch
 from pathlib import Path
-from hvdtrain import tracking, tracking_sender
+from hvdtrain.observe import tracking, tracking_sender
 from hvdtrain.config import load_config
-from hvdtrain.metrics import MetricSums
+from hvdtrain.observe.metrics import MetricSums
 run_dir = Path(sys.argv[1])
 cfg = load_config("debug", ["tracking.every_steps=2", "tracking.mlflow.enabled=true",
                             f"tracking.mlflow.tracking_uri=sqlite:///{run_dir}/mlflow.db"])

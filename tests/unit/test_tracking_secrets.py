@@ -18,8 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from hvdtrain import cli, tracking
-from hvdtrain.checkpoint import CheckpointSaver
+from hvdtrain import cli
+from hvdtrain.observe import tracking
+from hvdtrain.checkpoint.io import CheckpointSaver
 from hvdtrain.config import dump_yaml, load_config, to_dict
 from hvdtrain.redact import mask_text, mask_values
 

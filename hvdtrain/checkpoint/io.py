@@ -1,0 +1,232 @@
+"""Checkpoints: written atomically by rank 0, read with ``weights_only=True``.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so loading it never
+unpickles code. Writing goes to a temporary file in the same folder, which is flushed, fsynced
+and renamed over the target: a crash mid-write leaves the previous good file in place.
+
+Layout under ``<output.dir>/checkpoints``: ``step-00001234.pt`` (the newest ``checkpoint.keep``
+of them), ``last.pt`` (the newest) and ``best.pt`` (the best value of the task's validation
+metric), the latter two as hard links to a numbered file where the file system allows it, so each
+checkpoint is written once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..redact import mask_values
+
+REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
+FORMAT = 3  # 3: RunState.state_dict() + "ranks"; 2: "rng" and "rank_buffers" lists, "best_top1"
+NUMBERED = re.compile(r"^step-(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, phrased as one line naming the file."""
+
+
+class DiskFull(OSError):
+    """A checkpoint that did not fit: one line naming the folder, the bytes needed and free, and
+    what to do. Nothing was left behind (no partial or temporary file), and the older checkpoints
+    are untouched."""
+
+
+# Free space kept beyond a checkpoint's expected size: the file system's own needs, and the
+# metrics, logs and tracker files written next to it.
+MARGIN_BYTES = 32 * 2**20
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def payload_bytes(value: Any) -> int:
+    """The bytes of the tensors in a checkpoint payload (nested dicts and lists): its size on disk,
+    give or take the archive's small overhead."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(payload_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(item) for item in value)
+    return 0
+
+
+def megabytes(count: float) -> str:
+    return f"{count / 2**20:,.0f} MB"
+
+
+def no_space(directory: Path, needed: int, keep: int) -> DiskFull:
+    usage = shutil.disk_usage(directory)
+    return DiskFull(errno.ENOSPC, f"checkpoint not written: {directory} has {megabytes(usage.free)} free and the "
+                    f"checkpoint needs {megabytes(needed)} (with {megabytes(MARGIN_BYTES)} to spare); the older "
+                    f"checkpoints are intact. Free space there, keep fewer (checkpoint.keep={keep}), or set "
+                    f"output.dir to another file system")
+
+
+def _fsync_dir(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def atomic_save(payload: dict[str, Any], path: Path) -> None:
+    """Write ``payload`` to ``path`` so that ``path`` is always either the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(scratch, "wb") as handle:
+            try:
+                torch.save(payload, handle)
+            except RuntimeError as error:
+                # PyTorch's archive writer reports a write that failed for space as "unexpected
+                # pos ...": a file system left (nearly) full by it says which it was.
+                if shutil.disk_usage(path.parent).free < 2**20:
+                    raise OSError(errno.ENOSPC, f"writing {path} failed: {str(error).splitlines()[0][:200]}") \
+                        from error
+                raise
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    finally:
+        if scratch.exists():
+            scratch.unlink()
+    _fsync_dir(path.parent)
+
+
+def atomic_link(source: Path, target: Path) -> None:
+    """Make ``target`` the same file as ``source`` (hard link, else a copy), atomically."""
+    scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if scratch.exists():
+        scratch.unlink()
+    try:
+        try:
+            os.link(source, scratch)
+        except OSError:
+            shutil.copyfile(source, scratch)
+            with open(scratch, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.replace(scratch, target)
+    finally:
+        if scratch.exists():
+            scratch.unlink()
+    _fsync_dir(target.parent)
+
+
+def numbered(directory: Path) -> list[Path]:
+    """Numbered checkpoints, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NUMBERED.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+class CheckpointSaver:
+    """Rank 0's writer: numbered files, ``last.pt``, ``best.pt``, and pruning to ``keep``."""
+
+    def __init__(self, directory: Path, keep: int):
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def save(self, payload: dict[str, Any], is_best: bool) -> Path:
+        """Write the checkpoint; ``DiskFull`` (nothing written, nothing lost) when the folder's file
+        system has no room for it: checked before writing against the larger of the payload's bytes
+        and the last checkpoint's size, and again on ENOSPC/EDQUOT while writing."""
+        if "config" in payload:  # a password in a URL (tracking.mlflow.tracking_uri) is written as ***
+            payload = {**payload, "config": mask_values(payload["config"])}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        last = self.directory / "last.pt"
+        needed = max(payload_bytes(payload), last.stat().st_size if last.is_file() else 0)
+        if shutil.disk_usage(self.directory).free < needed + MARGIN_BYTES:
+            raise no_space(self.directory, needed, self.keep)
+        try:
+            return self.write(payload, is_best, last)
+        except OSError as error:
+            if error.errno in NO_SPACE:
+                raise no_space(self.directory, needed, self.keep) from None
+            raise
+
+    def write(self, payload: dict[str, Any], is_best: bool, last: Path) -> Path:
+        if self.keep > 0:
+            path = self.directory / f"step-{payload['step']:08d}.pt"
+            atomic_save(payload, path)
+            atomic_link(path, last)
+        else:
+            path = last
+            atomic_save(payload, path)
+        if is_best:
+            atomic_link(path, self.directory / "best.pt")
+        for old in numbered(self.directory)[self.keep:]:
+            old.unlink()
+        return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load and sanity-check a checkpoint on the CPU, or raise CheckpointError."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint '{path}' does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, garbage, or a pickle with code in it
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        raise CheckpointError(f"checkpoint '{path}' is unreadable ({reason}); "
+                              f"delete it or point checkpoint.resume at another file") from None
+    if not isinstance(payload, dict) or any(key not in payload for key in REQUIRED_KEYS):
+        raise CheckpointError(f"checkpoint '{path}' is not an hvdtrain checkpoint "
+                              f"(needs keys {', '.join(REQUIRED_KEYS)})")
+    if int(payload.get("format", 2)) > FORMAT:
+        raise CheckpointError(f"checkpoint '{path}' has format {payload['format']}, newer than this hvdtrain "
+                              f"reads ({FORMAT}); upgrade hvdtrain")
+    return upgrade(payload)
+
+
+def upgrade(payload: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of an older format, in the current one (a new dict; the file is unchanged)."""
+    version = int(payload.get("format", 2))
+    if version >= FORMAT:
+        return payload
+    payload = dict(payload)
+    # Format 2 (image classification only) kept the best top-1 under its own name and the per-rank
+    # random states and buffers in two parallel lists.
+    payload["best_metric"] = payload.pop("best_top1", None)
+    rng = payload.pop("rng", None) or []
+    buffers = payload.pop("rank_buffers", None) or [None] * len(rng)
+    payload["ranks"] = [{"rng": generators, "buffers": own} for generators, own in zip(rng, buffers)]
+    payload.setdefault("task", {"name": "image_classification"})
+    payload["format"] = FORMAT
+    return payload
+
+
+def load_for_resume(resume: str, directory: Path,
+                    warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """What ``checkpoint.resume`` asks for: ``never``, a file, or ``auto`` (or ``force``).
+
+    ``auto`` takes ``last.pt`` and, if it is unreadable, the newest numbered checkpoint that
+    loads, saying which file was skipped and why. An explicit file must load.
+    """
+    if resume == "never":
+        return None
+    if resume not in ("auto", "force"):  # force: as auto, through a changed config (checkpoint/identity.py)
+        path = Path(resume)
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint.resume: '{resume}' is neither auto, force, never, nor an existing file")
+        return path, load(path)
+    candidates = [directory / "last.pt"] + numbered(directory)
+    candidates = [p for p in candidates if p.is_file()]
+    for path in candidates:
+        try:
+            return path, load(path)
+        except CheckpointError as error:
+            warn(f"hvdtrain: warning: {error}; trying an older checkpoint")
+    if candidates:
+        raise CheckpointError(f"no readable checkpoint in '{directory}' (tried {len(candidates)}); "
+                              f"set checkpoint.resume=never to start over")
+    return None

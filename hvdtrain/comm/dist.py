@@ -1,0 +1,315 @@
+"""The one module that talks to Horovod's training side (horovod.torch; launch/ray.py uses
+horovod.runner to place ranks and serve the Gloo rendezvous on a Ray cluster).
+
+Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_state(s)``,
+never ``hvd`` directly. Every collective here is correct at world size 1 as well, so the same
+code path runs a single process (no launcher) and a thousand ranks. ``rank()``, ``size()`` and
+``local_rank()`` also answer before ``init()``, from the launcher's environment. The environment
+Horovod starts from is comm/horovod_env.py's, the gradient groups comm/buckets.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from typing import Any, Iterable, Iterator
+
+import cloudpickle
+import torch
+
+import horovod.torch as hvd
+from horovod.common.elastic import State as ElasticStateBase
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+from . import launcher_env as launcher
+from .buckets import gradient_buckets
+from ..config import ConfigError
+from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, check_elastic_env, stall_inspector_env
+
+Compression = hvd.Compression
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
+# Horovod's SyncBatchNorm runs on CUDA tensors only; model/sync_bn.py has the CPU counterpart.
+CudaSyncBatchNorm = hvd.SyncBatchNorm
+
+
+def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = False,
+         stall_warning_seconds: int | None = None, stall_shutdown_seconds: int = 0, timeline: bool = False) -> None:
+    """Initialize Horovod once (idempotent), after hvdtrain's environment defaults for ``gpu`` (None:
+    whether CUDA is available).
+
+    A Gloo collective gives up after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default); a longer
+    ``timeout_seconds`` raises it so that slow but healthy phases are not cut short. Settings the
+    user exported win, except those an ``elastic`` run cannot survive (a one-line error).
+
+    ``stall_warning_seconds`` / ``stall_shutdown_seconds`` set Horovod's stall inspector (None:
+    leave it as the environment has it; 0 warning seconds turns it off). ``timeline`` lets
+    ``start_timeline`` record a timeline later (HOROVOD_TIMELINE=DYNAMIC).
+    """
+    if elastic:
+        check_elastic_env()
+    if timeout_seconds > 30:
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
+    if stall_warning_seconds is not None:
+        os.environ.update(stall_inspector_env(stall_warning_seconds, stall_shutdown_seconds))
+    if timeline:
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+    if GLOO_RENDEZVOUS in os.environ and not hvd.is_initialized():
+        problem = launcher.hostname_problem()  # else Horovod's Gloo init segfaults without a word
+        if problem:
+            raise ConfigError(problem)
+    if not hvd.is_initialized():
+        apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu, elastic=elastic)
+        hvd.init()
+        if join_problem():
+            hvd.join = refuse_join  # a task's own hvd.join() stops with the line, not a hang
+
+
+def join_problem() -> str | None:
+    """Why ``hvd.join`` cannot work on this host, or None.
+
+    A Horovod built with GPU operations runs join through its GPU code path even for CPU tensors:
+    on a host without a GPU driver it hangs under Gloo (one rank waits in the next collective, the
+    other in join, forever) and fails under MPI ("Could not dlopen libcuda.so")."""
+    if (hvd.nccl_built() or hvd.cuda_built()) and not torch.cuda.is_available():
+        return ("join is not available here: this Horovod was built with GPU operations (NCCL), and on a "
+                "host without a GPU driver join hangs under Gloo and fails under MPI; rebuild it with CPU "
+                "operations (HVDTRAIN_GPU_OPS=none make setup; make setup's auto does so where no driver is "
+                "found) or run on a GPU host")
+    return None
+
+
+def refuse_join(device: int = -1) -> int:
+    raise ConfigError(join_problem() or "join is not available here")
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more batches (uneven inputs): its allreduces count as zeros for the others
+    until every rank has joined. Blocks until then; returns the rank that joined last."""
+    problem = join_problem()
+    if problem:
+        raise ConfigError(problem)
+    return hvd.join(device)
+
+
+def start_timeline(path: str, mark_cycles: bool = True) -> None:
+    """Record Horovod's timeline (Chrome trace JSON, written by rank 0) from now on; every rank calls it."""
+    hvd.start_timeline(path, mark_cycles=mark_cycles)
+
+
+def stop_timeline() -> None:
+    hvd.stop_timeline()
+
+
+def initialized() -> bool:
+    return bool(hvd.is_initialized())
+
+
+def rank() -> int:
+    """This process's rank; before ``init()``, as the launcher set it (0 without a launcher)."""
+    return hvd.rank() if initialized() else launcher.rank()
+
+
+def size() -> int:
+    return hvd.size() if initialized() else launcher.size()
+
+
+def local_rank() -> int:
+    return hvd.local_rank() if initialized() else launcher.local_rank()
+
+
+def local_size() -> int:
+    return hvd.local_size()
+
+
+def cross_size() -> int:
+    """Number of hosts taking part."""
+    return hvd.cross_size()
+
+
+def is_primary() -> bool:
+    return rank() == 0
+
+
+def log(message: str) -> None:
+    """Rank 0 talks; other ranks only report errors."""
+    if is_primary():
+        print(message, flush=True)
+
+
+def controller() -> str:
+    """Which controller coordinates this job: "gloo" or "mpi"."""
+    if hvd.gloo_enabled():
+        return "gloo"
+    if hvd.mpi_enabled():
+        return "mpi"
+    return "unknown"
+
+
+def built() -> dict[str, bool]:
+    return {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built()),
+            "cuda": bool(hvd.cuda_built())}  # GPU operations: NCCL, or CUDA-aware MPI
+
+
+def version() -> str:
+    """The installed Horovod version."""
+    import horovod
+
+    return horovod.__version__
+
+
+def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Sum over ranks; returns a new tensor."""
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
+
+def allreduce_max(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Element-wise maximum over ranks (e.g. the slowest rank's time)."""
+    return hvd.allreduce(tensor, op=hvd.Max, name=name)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's tensor along dimension 0, in rank order."""
+    return hvd.allgather(tensor, name=name)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    return hvd.allgather_object(obj, name=name)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """``root_rank``'s ``obj`` on every rank (pickled; between the ranks of this job only).
+
+    Horovod's own ``broadcast_object`` builds its byte tensor with ``torch.ByteTensor(bytearray(...))``,
+    one element at a time: about 65 ns a byte, 13 s for 200 MB (a large file index, an optimizer's
+    state). Here the pickle becomes a tensor over the same bytes (``torch.frombuffer``), and two
+    broadcasts (size, then bytes) send it; names as Horovod's (the object's type name by default)."""
+    name = type(obj).__name__ if name is None else name
+    if rank() == root_rank:
+        data = bytearray(cloudpickle.dumps(obj))
+        payload = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        hvd.broadcast_(size, root_rank, name=f"{name}.sz")
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+        hvd.broadcast_(size, root_rank, name=f"{name}.sz")
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    hvd.broadcast_(payload, root_rank, name=f"{name}.t")
+    if rank() == root_rank:
+        return obj
+    return cloudpickle.loads(payload.numpy().tobytes())
+
+
+def barrier() -> None:
+    hvd.barrier()
+
+
+@contextlib.contextmanager
+def local_rank_zero_first() -> Iterator[None]:
+    """Run the block on local rank 0 of every host first, then on the other ranks (e.g. one process
+    per host prepares a dataset that the others then find in place). Every rank must enter it."""
+    if not initialized() or size() == 1:
+        yield
+        return
+    if local_rank() != 0:
+        barrier()
+    yield
+    if local_rank() == 0:
+        barrier()
+
+
+def broadcast_state(state: Any, root_rank: int = 0) -> None:
+    """Make every rank's ``state`` equal to ``root_rank``'s.
+
+    ``state`` has ``state_dict(exclude=...)`` / ``load_state_dict(d, exclude=...)`` and a ``model``
+    (state.RunState): the model's tensors go by Horovod's tensor broadcast, in place; everything
+    else (optimizer, GradScaler, position, registered components) as one object.
+
+    The optimizer state is never sent with Horovod's ``broadcast_optimizer_state``: that initializes
+    an empty state with a zero-gradient ``step()``, which applies weight decay to the parameters.
+    """
+    hvd.broadcast_parameters(state.model.state_dict(), root_rank=root_rank)
+    rest = state.state_dict(exclude=("model",)) if rank() == root_rank else None
+    rest = hvd.broadcast_object(rest, root_rank=root_rank, name="hvdtrain.train.state")
+    if rank() != root_rank:
+        state.load_state_dict(rest, exclude=("model",))
+
+
+# The optimizers ``distributed_optimizer`` made. ``hvd.DistributedOptimizer`` returns an instance of
+# a class it builds on the fly from the wrapped optimizer's class and a copy of the methods of one
+# of Horovod's private classes (which call ``super(self.__class__, self)``, so the instance's class
+# cannot be changed either): nothing public tells it apart from a plain optimizer. hvdtrain keeps
+# its own record instead of comparing methods with Horovod's internals.
+_DISTRIBUTED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` came from ``distributed_optimizer`` (allreduces its gradients)."""
+    return optimizer in _DISTRIBUTED
+
+
+def synchronize(optimizer: torch.optim.Optimizer) -> None:
+    """Wait for the gradient allreduce of a distributed optimizer (nothing for a plain optimizer)."""
+    if is_distributed(optimizer):
+        optimizer.synchronize()
+
+
+def skip_synchronize(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    """Around ``step()`` after ``synchronize``: step without allreducing a second time."""
+    if is_distributed(optimizer):
+        return optimizer.skip_synchronize()
+    return contextlib.nullcontext()
+
+
+def average_buffers(model: torch.nn.Module) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) across ranks, in place.
+
+    Without SyncBatchNorm each rank's running statistics follow its own shard; averaging them at
+    the end of an epoch gives every rank, and the checkpoint, one and the same model to evaluate.
+    """
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if size() > 1 and buffers:
+        hvd.grouped_allreduce_(buffers, op=hvd.Average, name="average_buffers")
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+    compression: str,
+    backward_passes_per_step: int,
+    op: str,
+    sparse_as_dense: bool = False,
+    bucket_mb: float = 0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that gradients are allreduced during backward.
+
+    Sparse gradients (embeddings with ``sparse=True``) go through Horovod's sparse path, an
+    allgather of every rank's indices and values, or with ``sparse_as_dense`` are made dense and
+    allreduced like the rest. With ``bucket_mb`` the gradients go in groups of about that size
+    (``gradient_buckets``); the caller leaves it 0 where gradients may be sparse."""
+    named_parameters = list(named_parameters)
+    groups = None
+    if bucket_mb > 0 and op != "adasum":  # Horovod's Adasum optimizer takes no groups
+        groups = gradient_buckets([p for _, p in named_parameters], bucket_mb)
+    wrapped = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=named_parameters,
+        compression=Compression.fp16 if compression == "fp16" else Compression.none,
+        backward_passes_per_step=backward_passes_per_step,
+        op=hvd.Adasum if op == "adasum" else hvd.Average,
+        sparse_as_dense=sparse_as_dense,
+        groups=groups,
+    )
+    _DISTRIBUTED.add(wrapped)
+    return wrapped
+
+
+def elastic_run(func):
+    """Horovod Elastic's retry loop: ``func(state)`` runs again after every membership change,
+    once ``state`` has been rolled back (on a failure) and synchronized from rank 0."""
+    return hvd.elastic.run(func)
+
+
+def shutdown() -> None:
+    if hvd.is_initialized():
+        hvd.shutdown()

@@ -1,0 +1,1 @@
+"""WebDataset tar shards: the loader (loader.py) and the tar reader (tar.py)."""

@@ -1,0 +1,216 @@
+"""Training data that vanishes mid-run: a limit, a stop with a checkpoint, and the list of bad files.
+
+A volume unmounted under a running job, a folder deleted by a clean-up script, a file system that
+answers EIO for a while: the loader replaces each failed training file with the next readable one
+(data/image/folder.py), which carries a run through a few bad files, and would carry it through a
+whole vanished folder too, on other data than it started with. So:
+
+* at every step boundary the ranks sum their counts of the epoch's distinct failed files, in the
+  stop agreement's allreduce (preemption.StopRequest.agreed: no collective of its own). The counts
+  include the batches of the next step, which the engine takes one step ahead
+  (engine.DeviceBatches), so a stop comes *before* the step that would train on the hole;
+* past ``data.max_bad_fraction`` of the epoch's files, or when a sample found no readable file in
+  MAX_REPLACEMENTS tries, every rank stops: a checkpoint of the last step trained on good data,
+  the failed files in ``<output.dir>/bad_files.jsonl``, one line naming the share, the folder most
+  affected and the first missing file, and exit code 65 (``outcome.EXIT_DATA_VANISHED``). Once the
+  data is back, the same command resumes from that checkpoint;
+* an epoch with failed files gets one summary line after its epoch line, and its files go to
+  bad_files.jsonl (rank 0, from the records every rank gathered; ``BadFilesLog``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..comm import dist
+from .. import outcome
+from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit
+from ..data.image.folder import MAX_REPLACEMENTS
+from ..train.guard import JobStopped
+from ..train.outputs import Outputs
+from ..train.run import Run, log
+from ..train.save import save_checkpoint
+
+BAD_FILES = "bad_files.jsonl"
+
+
+class DataVanished(JobStopped):
+    """Training files failed past ``data.max_bad_fraction``; a checkpoint of the last good step is
+    saved and every rank leaves with exit code 65 once rank 0 has written everything."""
+
+    exit_code = outcome.EXIT_DATA_VANISHED
+    after_checkpoint = True  # run.finish: every rank waits for the others before leaving
+
+
+def vanished(line: str) -> DataVanished:
+    """The stop, said by rank 0 now: after the ranks' last barrier (run.finish) the launcher may end
+    rank 0 as soon as another rank has left with 65. Every rank keeps it as its exit cause."""
+    if dist.is_primary():
+        print(line, file=sys.stderr, flush=True)
+    outcome.note_cause(line)
+    return DataVanished(line, speak=False)
+
+
+class DataGuard:
+    """Whether the training files that failed this epoch, over every rank, call for a stop."""
+
+    def __init__(self, loader: Any, max_fraction: float):
+        self.loader, self.max_fraction = loader, max_fraction
+        self.epoch_files = 0
+        self.totals: list[float] = [0.0] * 5
+        self.tripped = False
+
+    @classmethod
+    def for_run(cls, run: Run) -> "DataGuard | None":
+        """A guard where the training loader counts bad files (the image folder loader) and
+        ``data.on_bad_file=skip``; None otherwise."""
+        loader = run.loaders.train
+        if not hasattr(loader, "tally") or getattr(loader, "fail", False):
+            return None
+        return cls(loader, run.cfg.data.max_bad_fraction)
+
+    def start_epoch(self, epoch_files: int) -> None:
+        self.epoch_files, self.tripped, self.totals = epoch_files, False, [0.0] * 5
+
+    def vector(self) -> torch.Tensor:
+        """This rank's counts so far this epoch (bad_files.EpochTally.vector), for the agreement."""
+        return self.loader.tally.vector()
+
+    def check(self, totals: torch.Tensor | None) -> bool:
+        """Whether the counts summed over ranks pass the limit (the same answer on every rank)."""
+        if totals is not None and not self.tripped:
+            self.totals = [float(value) for value in totals]
+            self.tripped = over_limit(self.totals, self.max_fraction, self.epoch_files)
+        return self.tripped
+
+
+class BadFilesLog:
+    """Rank 0's ``bad_files.jsonl``: one JSON object per failed file per epoch and split (epoch,
+    split, reason, path, error), and the run's distinct failed files, read back at a resume. A line
+    that does not parse (a write cut short) is skipped; a write that fails warns once."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / BAD_FILES
+        self.distinct: dict[str, str] = {}  # path -> reason, over the whole run
+        self.warned = False
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as handle:
+                for line in handle:
+                    self.remember(line)
+        except OSError:
+            pass
+
+    def remember(self, line: str) -> None:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry.get("reason") in REASONS:
+            self.distinct.setdefault(entry["path"], entry["reason"])
+
+    def write(self, epoch: int, split: str, summary: Summary | None) -> None:
+        if summary is None or not summary.records:
+            return
+        lines = []
+        for record in summary.records:
+            self.distinct.setdefault(record.path, record.reason)
+            lines.append(json.dumps({"epoch": epoch, "split": split, "reason": record.reason, "path": record.path,
+                                     "error": record.detail}) + "\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.writelines(lines)
+        except OSError as error:
+            if not self.warned:
+                self.warned = True
+                log(f"hvdtrain: warning: cannot write {self.path} ({error.strerror or error}); the epoch lines "
+                    f"still count the bad files")
+
+    def run_totals(self) -> str:
+        counts = {reason: 0 for reason in REASONS}
+        for reason in self.distinct.values():
+            counts[reason] += 1
+        return f"{len(self.distinct)} distinct (" + ", ".join(f"{n} {r}" for r, n in counts.items() if n) + ")"
+
+
+def take_summary(loader: Any) -> Summary | None:
+    """The loader's summary of its last pass (engine.add_bad_files), once."""
+    summary = getattr(loader, "last_summary", None)
+    if summary is not None:
+        loader.last_summary = None
+    return summary
+
+
+def where_most(summary: Summary) -> str:
+    folder, count = summary.folder_most_affected()
+    first = summary.first("missing")
+    text = f"most in {folder}/ ({count})" if folder else ""
+    if first is not None:
+        return f"{text}; first missing: {first.path}"
+    first = summary.first()
+    return f"{text}; first: {first}" if first is not None else text
+
+
+def note_epoch(run: Run, bad_log: BadFilesLog | None, epoch: int) -> None:
+    """After an epoch's line: its failed files to bad_files.jsonl, and one summary line where
+    there were any (rank 0; every rank pops its loaders' summaries)."""
+    train, val = take_summary(run.loaders.train), take_summary(run.loaders.val)
+    if bad_log is None:
+        return
+    bad_log.write(epoch, "train", train)
+    bad_log.write(epoch, "val", val)
+    parts = [f"{split} {summary.total} of {summary.files_read} ({summary.reasons()})"
+             for split, summary in (("train", train), ("val", val)) if summary is not None and summary.total]
+    if parts:
+        worst = max((s for s in (train, val) if s is not None and s.total), key=lambda s: s.total)
+        log(f"hvdtrain: bad files in epoch {epoch + 1}: {', '.join(parts)}; {where_most(worst)}; the run so far: "
+            f"{bad_log.run_totals()}, listed in {bad_log.path}")
+
+
+def stop_for_vanished_data(run: Run, outputs: Outputs, guard: DataGuard, bad_log: BadFilesLog | None,
+                           steps: int) -> None:
+    """Every rank: the epoch's failed files listed, a checkpoint of the last good step, one line
+    from rank 0, then DataVanished (exit code 65)."""
+    position = run.state.position
+    summary = take_summary(run.loaders.train) or Summary()
+    if bad_log is not None:
+        bad_log.write(position.epoch, "train", summary)
+    path = save_checkpoint(run, outputs.saver, must=True)
+    path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")  # every rank's line names it
+    allowed = allowed_failures(guard.max_fraction, guard.epoch_files)
+    if summary.row_end is not None and summary.total <= allowed:
+        cause = (f"a training sample found no readable file in {MAX_REPLACEMENTS} tries in a row, "
+                 f"from {summary.row_end.path} on ({summary.total} of the {summary.files_read} files read in epoch "
+                 f"{position.epoch + 1} failed: {summary.reasons()})")
+    else:
+        share = summary.total / max(summary.files_read, 1)
+        cause = (f"{summary.total} of the {summary.files_read} training files read in epoch {position.epoch + 1} "
+                 f"failed ({share:.1%}: {summary.reasons()}; data.max_bad_fraction={guard.max_fraction:g} allows "
+                 f"{allowed} of the epoch's {guard.epoch_files})")
+    listed = f"{bad_log.path}" if bad_log is not None else f"{run.run_dir / BAD_FILES}"
+    line = (f"hvdtrain: training data vanished: {cause}; {where_most(summary)}. Stopped before global step "
+            f"{position.step + 1} (epoch {position.epoch + 1}, step {position.step_in_epoch + 1}/{steps}): the "
+            f"checkpoint of the last good step is {path}, the failed files are listed in {listed}. Restore the "
+            f"data (remount the volume), then run the same command to resume; or raise data.max_bad_fraction")
+    raise vanished(line)
+
+
+def check_epoch_end(run: Run, guard: DataGuard | None, epoch: int, train_metrics: dict[str, Any]) -> None:
+    """The epoch's exact count against the limit, after its checkpoint (a backstop: the step
+    boundaries stop first, except where the engine could not take a whole step ahead)."""
+    if guard is None or guard.epoch_files == 0:
+        return
+    failed = train_metrics.get("bad_files", 0)
+    if failed > allowed_failures(guard.max_fraction, guard.epoch_files):
+        raise vanished(f"hvdtrain: training data vanished: {failed} of the {guard.epoch_files} training files "
+                       f"of epoch {epoch + 1} failed (data.max_bad_fraction={guard.max_fraction:g}); the epoch's "
+                       f"checkpoint is saved and its files are listed in {run.run_dir / BAD_FILES}. Restore the "
+                       f"data, then run the same command; or raise data.max_bad_fraction")
+
+
+__all__ = ["BadFilesLog", "DataGuard", "DataVanished", "note_epoch", "stop_for_vanished_data", "check_epoch_end"]

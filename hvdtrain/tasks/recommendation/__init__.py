@@ -1,0 +1,1 @@
+"""The recommendation task (task.py), its settings section (settings.py) and models."""

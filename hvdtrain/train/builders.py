@@ -1,0 +1,165 @@
+"""The builders ``run.setup`` is made of: each small, each identical on every rank.
+
+Under elastic mode none of them calls a collective: a worker may join a job whose other ranks are
+inside the state synchronization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from ..comm import dist
+from ..config import Config, ConfigError, TrainConfig
+from ..data import DataError
+from ..data.loaders import Loaders
+from ..model.finetune import apply_freeze
+from ..optim.build import LRSchedule, build_optimizer as build_named_optimizer
+from ..model.sync_bn import convert_sync_batchnorm
+from ..tasks import DataEnv, Task
+from ..fault.watchdog import LivenessService, Peer, listen_addresses
+
+
+def wants_gpu(cfg: Config) -> bool:
+    return cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and torch.cuda.is_available())
+
+
+def pick_device(cfg: Config) -> torch.device:
+    if wants_gpu(cfg):
+        if not torch.cuda.is_available():
+            raise DataError("runtime.device=cuda but no CUDA device is visible (use runtime.device=cpu)")
+        index = dist.local_rank() % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def threads_per_rank(cfg: Config, own_cores: list[int] | None = None) -> int:
+    """runtime.threads, else this rank's own cores (runtime.cpu_affinity), else its share of the host's."""
+    if cfg.runtime.threads > 0:
+        return cfg.runtime.threads
+    if own_cores:
+        return len(own_cores)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, dist.local_size()))
+
+
+def build_peers(elastic: bool) -> tuple[LivenessService, list[Peer]]:
+    """Every rank's address, liveness port and token, known to every rank, to name a lost one later.
+    (Elastic runs leave lost workers to Horovod Elastic instead.)
+
+    The service listens where the other ranks reach this one (loopback when they all share this
+    host); its token travels with the address in the allgather, never on a command line."""
+    liveness = LivenessService(dist.rank(), listen_addresses(one_host=dist.cross_size() == 1))
+    if elastic:
+        return liveness, []
+    return liveness, [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]
+
+
+def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loaders, int, int]:
+    """The task's loaders; the steps per epoch and the global batch they give."""
+    elastic = cfg.elastic.enabled
+    resolve_batch_size(cfg, dist.size())
+    env = DataEnv(rank=dist.rank(), world_size=dist.size(), pin_memory=device.type == "cuda",
+                  broadcast_object=None if elastic else dist.broadcast_object,
+                  allgather=None if elastic else dist.allgather,
+                  local_rank_zero_first=contextlib.nullcontext if elastic else dist.local_rank_zero_first,
+                  keep_partial_batches=elastic, device=device,
+                  ranks_on_host=dist.local_size() if dist.initialized() else 1)
+    loaders = task.build_loaders(env)
+    passes = cfg.train.backward_passes_per_step
+    steps_per_epoch = len(loaders.train) // passes
+    if cfg.train.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.train.steps_per_epoch)
+    if steps_per_epoch == 0:
+        raise DataError(f"the training split has {loaders.train_size} samples: too few for one step of "
+                        f"{dist.size()} ranks x {cfg.train.batch_size} samples x {passes} passes "
+                        f"(lower train.batch_size or use fewer ranks)")
+    return loaders, steps_per_epoch, cfg.train.batch_size * dist.size() * passes
+
+
+def resolve_batch_size(cfg: Config, world_size: int) -> None:
+    """``train.global_batch_size`` -> ``train.batch_size`` for ``world_size`` ranks (in place, before the
+    task reads it). An explicit ``train.batch_size`` that disagrees, or a global batch the ranks and
+    passes do not divide, stops with one line. (An explicit batch size equal to the default cannot be
+    told from the default, and yields to the global one.)"""
+    wanted, passes = cfg.train.global_batch_size, cfg.train.backward_passes_per_step
+    if not wanted:
+        return
+    shares = world_size * passes
+    if wanted % shares:
+        lower, upper = wanted // shares * shares, (wanted // shares + 1) * shares
+        raise ConfigError(f"train.global_batch_size={wanted} does not divide into {world_size} ranks x {passes} "
+                          f"passes: use a multiple of {shares} (e.g. {lower or upper} or {upper}), or another "
+                          f"number of ranks")
+    per_rank = wanted // shares
+    default = TrainConfig.batch_size
+    if cfg.train.batch_size not in (default, per_rank):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} and train.global_batch_size={wanted} disagree at "
+                          f"{world_size} ranks x {passes} passes ({per_rank} per rank): set one of the two")
+    cfg.train.batch_size = per_rank
+
+
+def build_model(cfg: Config, task: Task, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    model = task.build_model()
+    if cfg.model.sync_bn:
+        model = convert_sync_batchnorm(model, cuda=device.type == "cuda")
+    # Parameters stay contiguous: Horovod refuses to broadcast or allreduce a channels_last tensor
+    # ("Tensor is required to be contiguous"). The inputs are channels_last on the GPU
+    # (DeviceNormalizer), and a convolution with a channels_last input runs channels_last.
+    model = model.to(device, dtype=dtype)
+    # After the SyncBN conversion (new modules, new parameters) and before the optimizer is built.
+    frozen = apply_freeze(model, cfg.model.freeze, cfg.model.arch)
+    if frozen:
+        dist.log(f"hvdtrain: {frozen}")
+    if cfg.runtime.compile:
+        # Module.compile() compiles forward in place: parameter names and state-dict keys stay
+        # unprefixed, so the optimizer, broadcasts and checkpoints are unchanged.
+        model.compile()
+    return model
+
+
+def compression_for(cfg: Config, device: torch.device) -> str:
+    if cfg.dist.compression == "auto":
+        return "fp16" if device.type == "cuda" else "none"
+    return cfg.dist.compression
+
+
+def has_sparse_gradients(model: torch.nn.Module) -> bool:
+    """Whether ``model`` makes sparse gradients (an embedding built with ``sparse=True``)."""
+    return any(getattr(module, "sparse", False) for module in model.modules()
+               if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+
+
+def bucket_mb_for(cfg: Config, device: torch.device, sparse: bool = False) -> float:
+    """dist.bucket_mb resolved: auto is DDP's 25 MB on CPU (measured faster under Gloo,
+    docs/benchmarks.md) and Horovod's per-cycle fusion on GPU. Sparse gradients (``sparse``) take no
+    groups (Horovod's grouped allreduce refuses them, made dense or not), and neither do elastic runs
+    (validate() refuses an explicit size there)."""
+    if sparse or cfg.elastic.enabled:
+        return 0
+    if cfg.dist.bucket_mb == -1:
+        return 25 if device.type == "cpu" else 0
+    return cfg.dist.bucket_mb
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
+                    device: torch.device, task: Task | None = None) -> torch.optim.Optimizer:
+    """The task's own optimizer (``Task.build_optimizer``) or the one ``optim.name`` names, wrapped
+    in Horovod's ``DistributedOptimizer``."""
+    own = task.build_optimizer(model) if task is not None else None
+    return dist.distributed_optimizer(
+        own if own is not None else build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
+        compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
+        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense, bucket_mb=bucket_mb_for(cfg, device, has_sparse_gradients(model)))
+
+
+def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
+    """The autocast dtype and, for float16, the GradScaler."""
+    if not cfg.amp.enabled:
+        return None, None
+    if cfg.amp.dtype == "float16":
+        return torch.float16, torch.amp.GradScaler(device.type)
+    return torch.bfloat16, None

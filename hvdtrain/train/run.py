@@ -1,0 +1,356 @@
+"""What the static and the elastic loop share: building a run, resuming it, writing its outputs,
+finishing an epoch, checkpointing, and the two ways a run stops early (``Preempted``, ``LostRank``).
+
+``setup`` is a row of small builders (train/builders.py). Neither loop is imported here: train/trainer.py and
+fault/elastic.py both import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..checkpoint import io as checkpoint
+from ..comm import dist
+from ..observe import tracking
+from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
+                       pick_device, threads_per_rank, wants_gpu)
+from ..config import Config, ConfigError, step_range, target_value
+from ..data.files.bad_files import vanished_classes
+from ..data.loaders import Loaders
+from ..comm.dist import log
+from ..optim.ema import ModelEma
+from .engine import StepSettings, evaluate
+from .guard import FiniteGuard
+from ..model.finetune import load_weights
+from ..observe.report import TimelineWindow
+from ..optim.build import LRSchedule
+from ..launch.placement import place_rank
+from ..observe.rank_logs import WarningTally, host_map
+from .run_folder import prepare_output_dir
+from ..checkpoint.identity import differences, listed, model_fit, refusal
+from .state import RunState
+from ..observe.sysstats import StatsSampler
+from ..tasks import Task, build_task, metric_direction
+from ..fault.watchdog import LivenessService, Peer, Watchdog
+
+
+@dataclass
+class Run:
+    """The pieces of a run that outlive one epoch."""
+
+    cfg: Config
+    task: Task
+    state: RunState
+    settings: StepSettings
+    loaders: Loaders
+    steps_per_epoch: int
+    global_batch: int
+    run_dir: Path
+    watchdog: Watchdog
+    peers: list[Peer] = field(default_factory=list)
+    liveness: LivenessService | None = None
+    start_epoch: int = 0
+    timeline: TimelineWindow | None = None
+    stats: StatsSampler | None = None
+    ema: ModelEma | None = None
+    clock: "TrainClock | None" = None
+    resume_changes: dict[str, Any] | None = None  # settings changed since the checkpoint resumed from
+    warnings: WarningTally | None = None  # this rank's warnings, said once across ranks (rank_logs)
+    # The training sums of the epoch in progress, all ranks together, so far (a collective; set by the loop),
+    # and those a mid-epoch checkpoint carried: a resumed epoch's record then covers the whole epoch.
+    train_sums_so_far: Callable[[], torch.Tensor] | None = None
+    resumed_train_sums: torch.Tensor | None = None
+
+
+def setup(cfg: Config) -> Run:
+    """Everything before the first step, identical on every rank (no checkpoint loaded yet)."""
+    elastic = cfg.elastic.enabled
+    tracking.require_packages(cfg)
+    dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
+              stall_warning_seconds=cfg.dist.stall_warning_seconds,
+              stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
+    liveness, peers = build_peers(elastic)
+    problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(),
+                                 lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"))
+    if problem:
+        raise ConfigError(problem)
+    log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}")
+    # Other ranks print no warning; each is counted and rank 0 says it once with its count.
+    tally = WarningTally(speak=dist.is_primary()).install()
+    device = pick_device(cfg)
+    own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
+    threads = threads_per_rank(cfg, own_cores)
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.runtime.cudnn_benchmark
+    torch.manual_seed(cfg.seed)
+
+    task = build_task(cfg)
+    loaders, steps_per_epoch, global_batch = build_loaders(cfg, task, device)
+    dtype = getattr(torch, cfg.model.dtype)
+    model = build_model(cfg, task, device, dtype)
+    schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
+    amp_dtype, scaler = build_scaler(cfg, device)
+    state = RunState(model, build_optimizer(cfg, model, schedule, device, task), scaler)
+    for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
+        state.register(name, component)
+    if tracking.enabled(cfg):
+        state.register("tracking", tracking.TrackingState())  # the trackers' run ids, carried by checkpoints
+    settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
+                            clip_grad_norm=cfg.optim.clip_grad_norm,
+                            backward_passes_per_step=cfg.train.backward_passes_per_step,
+                            phase_timing=cfg.runtime.phase_timing, prefetch=cfg.runtime.prefetch, seed=cfg.seed,
+                            # A host sync every step costs nothing on a CPU; on a GPU it would stall the queue.
+                            guard=FiniteGuard(device, check_every=1 if device.type == "cpu" else 100,
+                                              max_skipped=cfg.amp.max_skipped_steps))
+    run = Run(cfg=cfg, task=task, state=state, settings=settings, loaders=loaders, steps_per_epoch=steps_per_epoch,
+              global_batch=global_batch, run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
+              watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
+              timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
+              if cfg.runtime.timeline else None,
+              stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
+              if cfg.runtime.stats_interval > 0 else None, warnings=tally)
+
+    world_size, passes = dist.size(), cfg.train.backward_passes_per_step
+    log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
+        f"device {device.type}, {threads} threads/rank"
+        + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
+        + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
+        + ("; elastic" if elastic else ""))
+    if loaders.note:
+        log(f"hvdtrain: {loaders.note}")
+    if run.stats is not None and device.type == "cuda" and not run.stats.has_gpu:
+        log("hvdtrain: GPU statistics off: NVML is not available (pip install 'hvdtrain[gpu]' for nvidia-ml-py)")
+    log(f"hvdtrain: {task.describe(loaders)}")
+    given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
+    log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
+        f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
+        f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
+        f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
+        + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
+    if task.name == "image_classification":
+        log(f"hvdtrain: recipe: {recipe_line(cfg, model, schedule)}")
+    add_recipe_state(run)
+    return run
+
+
+def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> str:
+    """The resolved recipe in the terms a source's log uses (docs/recipes.md): the warm-up's first
+    and last rates and how the rate steps, the weight-decay exemption, the loss, the augmentation
+    strength, the validation crop and cadence, so that a run can be compared with its source before
+    the first epoch ends."""
+    from ..data.image.policies import strength
+    from ..data.image.transforms import val_image_size, val_resize_size
+    from ..optim.build import describe_exemption, lr_at
+
+    optim, every = cfg.optim, cfg.eval.every_epochs
+    first, steps = lr_at(0, schedule), schedule.steps_per_epoch
+    last_warm = lr_at(max(math.ceil(optim.warmup_epochs * steps) - 1, 0), schedule)
+    stepping = {"step": "every step", "epoch": "once per epoch",
+                "epoch_warmup_end": "once per epoch, warm-up epochs at their end value"}[optim.lr_step]
+    milestones = ", ".join(f"{cfg.train.epochs * m / 90:g}" for m in (30, 60, 80))
+    decay = optim.schedule + {"step": f" x0.1 at epochs {milestones}", "constant": ""}.get(optim.schedule,
+                                                                                           f" to {optim.end_lr:g}")
+    decay += "" if optim.warmup_prefix or optim.schedule == "step" else " over the whole run (warm-up inside it)"
+    size = val_image_size(cfg.data)
+    model_cfg = cfg.model
+    init = [text for on, text in ((model_cfg.conv_init != "default", f"convolutions Kaiming {model_cfg.conv_init}"),
+                                  (model_cfg.head_init_std > 0, f"classifier N(0, {model_cfg.head_init_std:g})"),
+                                  (model_cfg.zero_init_residual, "last BatchNorm of each block at 0"),
+                                  (model_cfg.blurpool, "BlurPool")) if on]
+    return (f"warm-up {first:.4g} (step 0) -> {last_warm:.4g} (last warm-up step) -> peak {schedule.peak_lr:.4g}, "
+            f"rate changes {stepping}, then {decay}; {describe_exemption(model, optim)}; "
+            f"{'init: ' + ', '.join(init) + '; ' if init else ''}loss {optim.loss}"
+            f"{f' (targets > {optim.bce_target_threshold:g} set to 1)' if optim.bce_target_threshold else ''}, "
+            f"label smoothing {optim.label_smoothing:g}; augmentation: {strength(cfg.augment)}"
+            f"{f', mixup {cfg.augment.mixup_alpha:g}' if cfg.augment.mixup_alpha else ''}"
+            f"{f', cutmix {cfg.augment.cutmix_alpha:g}' if cfg.augment.cutmix_alpha else ''}, crop area "
+            f"{cfg.augment.scale}; validation {size} px center crop of {val_resize_size(cfg.data)} px "
+            f"({cfg.data.val_interpolation}){', flip averaged' if cfg.eval.flip else ''}, "
+            + ("every epoch" if every == 1 else f"after epochs {cfg.eval.offset_epochs + 1}, "
+               f"{cfg.eval.offset_epochs + 1 + every}, ... and the last"))
+
+
+def add_recipe_state(run: Run) -> None:
+    """The model EMA and the time-to-accuracy clock, when asked for: registered state components
+    (checkpoints, resume and elastic commits carry them), the EMA updated after every optimizer step."""
+    cfg = run.cfg
+    if cfg.ema.decay > 0:
+        run.ema = ModelEma(run.state.model, cfg.ema)
+        run.state.register("ema", run.ema)
+        run.settings.after_optimizer_step.append(run.ema.after_optimizer_step)
+        log(f"hvdtrain: model EMA, decay {cfg.ema.decay:g} every {cfg.ema.every_steps} step(s)"
+            + (f", timm warm-up (gamma {cfg.ema.warmup_gamma:g}, power {cfg.ema.warmup_power:g})"
+               if cfg.ema.warmup else ""))
+    if target_value(cfg) > 0:
+        run.clock = TrainClock()
+        run.state.register("clock", run.clock)
+        name, key = target_metric_name(run)
+        direction = metric_direction(run.task, name, key)
+        log(f"hvdtrain: target: stop at val {name} {'>=' if direction == 'max' else '<='} {target_value(cfg):g}"
+            + (" (train.target_top1 is the old name of train.target)" if cfg.train.target_top1 else ""))
+    metric_direction(run.task, *best_metric_key(run))  # an undeclared direction stops before the first step
+
+
+class TrainClock:
+    """Wall seconds spent training (from the first step, summed over resumed runs), for the time to
+    accuracy; a state component, so a resumed run continues the count."""
+
+    def __init__(self) -> None:
+        self.before = 0.0       # seconds of earlier runs (from the checkpoint)
+        self.started: float | None = None
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.before + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.before = float(state["seconds"])
+        if self.started is not None:
+            self.started = time.perf_counter()
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
+    """The one way a run starts from a checkpoint. Rank 0 loads it (``path``, or what
+    ``checkpoint.resume`` finds) after checking that it continues this run (``same_run``; not for an
+    explicit ``path``, which evaluation passes) and that the model fits; a fresh run starts from
+    ``model.weights`` if set. Then, with ``broadcast``, everything rank 0 has goes to every rank (a
+    fresh run too: every rank starts from rank 0's initial state); an elastic run passes
+    ``broadcast=False``, since its state synchronization brings every rank up to date.
+
+    Each rank gets back its own random generators and buffers when the number of ranks is
+    unchanged. With another number of ranks the position in the epoch is carried over as a count
+    of samples, so the global sample order, the epoch and the learning rate continue where they were.
+    """
+    found, refused = None, None
+    if dist.is_primary():
+        found = ((path, checkpoint.load(path)) if path is not None
+                 else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
+        if found is not None:
+            refused = same_run(run, found) if path is None else None
+            # A class folder gone is said as such, before the classifier's shape it changes (model_fit).
+            refused = refused or vanished_classes(found[1].get("task") or {}, run.task.checkpoint_metadata(),
+                                                  str(found[0]), f"{run.cfg.data.dir or 'the data'}/train")
+            refused = refused or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
+            if refused is None:
+                run.state.load_state_dict(found[1])
+        elif run.cfg.model.weights:  # a fresh run starts from model.weights; the broadcast below shares them
+            log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
+    if not broadcast:
+        if refused:
+            raise ConfigError(refused)
+        if found is not None:
+            run.start_epoch = run.state.position.epoch
+            log(f"hvdtrain: resumed from {found[0]} at {where(run)} (global step {run.state.position.step})")
+        return
+    resumed = dist.broadcast_object(
+        None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", []), "refused": refused,
+                                    "train_sums": found[1].get("train_sums")},
+        name="hvdtrain.resumed")
+    if resumed is not None and resumed["refused"]:
+        raise ConfigError(resumed["refused"])  # every rank, before anything is loaded or written
+    dist.broadcast_state(run.state)
+    if resumed is None:
+        return
+    position = run.state.position
+    position.step_in_epoch = position.samples_in_epoch // run.global_batch
+    run.start_epoch = position.epoch
+    run.resumed_train_sums = resumed.get("train_sums") if position.step_in_epoch else None
+    ranks = resumed["ranks"]
+    same_world = run.state.load_rank_state(ranks, dist.rank(), dist.size(),
+                                           fallback_seed=run.cfg.seed + 1000003 * dist.rank() + position.step)
+    log(f"hvdtrain: resumed from {resumed['source']} at {where(run)} (global step {position.step})")
+    if not same_world:
+        rounded = position.samples_in_epoch - position.step_in_epoch * run.global_batch
+        log(f"hvdtrain: the checkpoint was written by {len(ranks)} ranks, this job has {dist.size()}: "
+            f"global batch {run.global_batch}, learning rate rescaled"
+            + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
+
+
+def same_run(run: Run, found: tuple[Path, dict[str, Any]]) -> str | None:
+    """The checkpoint's config against this run's (checkpoint/identity.py): the line that refuses it, or
+    None; what may change, or is forced through, is logged and kept for metrics.jsonl."""
+    meaning, allowed = differences(found[1].get("config") or {}, run.cfg)
+    forced = run.cfg.checkpoint.resume == "force"
+    if meaning and not forced:
+        return refusal(str(found[0]), meaning)
+    changed = {**meaning, **allowed}
+    if changed:
+        run.resume_changes = {"forced": sorted(meaning), "changed": {k: list(v) for k, v in changed.items()}}
+        log(f"hvdtrain: resuming {found[0]} with changed settings: {listed(changed)}"
+            + (" (checkpoint.resume=force; recorded in metrics.jsonl)" if meaning else ""))
+    return None
+
+
+def best_metric_key(run: Run) -> tuple[str, str]:
+    """The validation metric that picks best.pt (``checkpoint.best_metric``, or the task's), and the
+    config key that chose it."""
+    return run.cfg.checkpoint.best_metric or run.task.best_metric, "checkpoint.best_metric"
+
+
+def best_metric_name(run: Run) -> str:
+    return best_metric_key(run)[0]
+
+
+def target_metric_name(run: Run) -> tuple[str, str]:
+    """The validation metric ``train.target`` applies to (``train.target_metric``, else best.pt's)."""
+    if run.cfg.train.target_metric:
+        return run.cfg.train.target_metric, "train.target_metric"
+    return best_metric_key(run)
+
+
+def is_better(task: Task, value: float, best: float | None, name: str) -> bool:
+    """Whether ``value`` of metric ``name`` improves on ``best``, in the direction the task declares."""
+    if not math.isfinite(value):
+        return False  # a diverged epoch never becomes best.pt
+    if best is None:
+        return True
+    return value > best if metric_direction(task, name, "checkpoint.best_metric") == "max" else value < best
+
+
+def reaches(task: Task, value: float, target: float, name: str) -> bool:
+    """Whether ``value`` of metric ``name`` is at the target or past it, in the task's direction."""
+    return value >= target if metric_direction(task, name, "train.target_metric") == "max" else value <= target
+
+
+def where(run: Run) -> str:
+    position = run.state.position
+    return f"epoch {position.epoch + 1}" + (f", step {position.step_in_epoch}/{run.steps_per_epoch}"
+                                            if position.step_in_epoch else "")
+
+
+# --- checkpoints and outputs -------------------------------------------------------------------
+
+
+# --- the end of an epoch, and stopping early ---------------------------------------------------
+
+
+def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
+    """Validation metrics of a saved model, on however many ranks this job has."""
+    run = setup(cfg)
+    try:
+        resume(run, path)
+        model = None
+        if cfg.eval.ema:
+            if run.ema is None or not run.ema.updates:
+                raise ConfigError(f"eval.ema=true: {path} holds no EMA weights (train with ema.decay > 0)")
+            model = run.ema.module
+        return evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum, model=model)
+    finally:
+        if run.stats is not None:
+            run.stats.stop()
+        if run.warnings is not None:
+            run.warnings.uninstall()

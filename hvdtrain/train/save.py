@@ -1,0 +1,88 @@
+"""Checkpoints of a run: the payload every rank contributes, the cross-rank audit before it, and the write
+(rank 0), with a full disk said in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+from ..checkpoint import io as checkpoint
+from ..comm import dist
+from .. import outcome
+from ..fault.audit import audit
+from ..config import to_dict
+from ..comm.dist import log
+from .guard import JobStopped
+from .run import Run, where
+from .stops import LostRank
+
+
+def checkpoint_payload(run: Run) -> dict[str, Any]:
+    """Everything needed to continue exactly where the run is now (a collective: call on every rank)."""
+    payload = run.state.state_dict()
+    payload.update(
+        format=checkpoint.FORMAT,
+        ranks=dist.allgather_object(run.state.rank_state(), name="hvdtrain.checkpoint.io.ranks"),
+        world_size=dist.size(),
+        global_batch=run.global_batch,
+        lr=run.settings.current_lr(run.state),
+        task={"name": run.task.name, **run.task.checkpoint_metadata()},
+        config=to_dict(run.cfg),
+    )
+    if run.state.position.step_in_epoch and run.train_sums_so_far is not None:
+        payload["train_sums"] = run.train_sums_so_far()  # the interrupted epoch's metrics, on resume
+    return payload
+
+
+def audit_ranks(run: Run, where: str, floating_buffers: bool = False) -> None:
+    """The cross-rank audit (fault/audit.py; a collective): under ``runtime.audit=stop`` a difference ends the
+    job on every rank with one line from rank 0, under ``warn`` rank 0 says it and the run goes on."""
+    if run.cfg.runtime.audit == "off":
+        return
+    line = audit(run.state, where, floating_buffers)
+    if line is None:
+        return
+    if run.cfg.runtime.audit == "warn":
+        log(f"hvdtrain: warning: {line}; going on (runtime.audit=warn)")
+        return
+    run.watchdog.disarm()
+    raise LostRank(f"hvdtrain: {line}; stopping before anything else is written (runtime.audit=warn only warns)",
+                   speak=dist.is_primary())
+
+
+class DiskFull(JobStopped):
+    """A checkpoint that had to be written did not fit (the last epoch's, or a stop's): the job ends
+    with exit code 74 (EX_IOERR), which says to a scheduler that a retry as it is will not help."""
+
+    exit_code = outcome.EXIT_DISK_FULL
+
+
+def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False,
+                    audited: bool = False, must: bool = False) -> Path | None:
+    """Every rank takes part (random states and buffers are collected); rank 0 writes. The ranks are
+    audited first (unless the caller just did): a checkpoint of diverged ranks is never written.
+
+    A checkpoint that does not fit on its file system (checkpoint.DiskFull) is said in one line,
+    and nothing is lost: the older checkpoints stay as they were. Training goes on and the next
+    checkpoint tries again, unless this one is the last chance (``must``: the final epoch's, or a
+    stop's), which ends the job on every rank with DiskFull (exit code 74)."""
+    if run.settings.guard is not None:
+        run.settings.guard.check()  # a checkpoint is never written of a diverged state
+    if not audited:
+        audit_ranks(run, f"the checkpoint of {where(run)} (global step {run.state.position.step})")
+    payload = checkpoint_payload(run)
+    path, problem = None, None
+    if saver is not None:
+        try:
+            path = saver.save(payload, is_best)
+        except checkpoint.DiskFull as error:
+            problem = error.strerror
+    # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place.
+    problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.io.saved")
+    if problem:
+        if must:
+            raise DiskFull(f"hvdtrain: {problem}", speak=dist.is_primary())
+        log(f"hvdtrain: warning: {problem}; training goes on and the next checkpoint tries again")
+    return path

@@ -1,0 +1,33 @@
+"""How a run stops early on every rank: a preemption's checkpointed stop (exit 75) and a lost rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+from ..comm import dist
+from .. import outcome
+from .guard import JobStopped
+from ..fault.watchdog import lost_message
+from .run import Run
+
+
+class Preempted(Exception):
+    """Raised on every rank after a signal-triggered checkpoint; the CLI exits with EXIT_PREEMPTED."""
+
+    exit_code = outcome.EXIT_PREEMPTED  # EX_TEMPFAIL: not finished, try again
+
+
+class LostRank(JobStopped):
+    """The job cannot go on because of the other ranks: a collective failed because a peer died or
+    hangs, or the ranks' states diverged (the audit). ``speak`` is set on the rank that reports it."""
+
+
+def lost_rank(run: Run, error: Exception) -> LostRank:
+    """A failed collective, as the one line that names the lost rank."""
+    run.watchdog.disarm()
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    first_line = re.sub(r"\[[^\]]*\]\s*", "", first_line).strip()  # drop "[file.cc:81]" prefixes
+    line, speak = lost_message(run.peers, dist.rank(), f"a collective failed ({first_line[:100]})")
+    return LostRank(line, speak)
