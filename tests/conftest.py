@@ -20,7 +20,7 @@ def tiny_data(tmp_path_factory) -> Path:
 
     import numpy as np
 
-    root = tmp_path_factory.mktemp("tiny_data")
+    root = session_dir(tmp_path_factory, "tiny_data")
     generate(root, train_per_class=24, val_per_class=5, size=40, num_classes=4)
     extra = root / "val" / "horizontal_0" / "extra.JPEG"
     draw(0, 40, np.random.default_rng(99)).save(extra, quality=90)
@@ -28,6 +28,15 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 _SESSION_DIRS: set[Path] = set()  # what session-scoped fixtures (tiny_data, the nodes) made: kept
+
+
+def session_dir(tmp_path_factory, name: str) -> Path:
+    """A folder for a session-scoped fixture, kept until the session ends whichever module first asked
+    for the fixture (the module clean-up below spares it; the hook's record alone missed the Slurm
+    cluster's folder once, and every later Slurm test failed)."""
+    path = tmp_path_factory.mktemp(name)
+    _SESSION_DIRS.add(path)
+    return path
 
 
 @pytest.hookimpl(wrapper=True)
@@ -51,5 +60,5 @@ def _remove_module_outputs(tmp_path_factory):
     before = set(base.iterdir())
     yield
     for path in set(base.iterdir()) - before - _SESSION_DIRS:
-        if not path.name.startswith("test_"):
+        if not path.name.startswith("test_") and path.resolve() not in _SESSION_DIRS:
             shutil.rmtree(path, ignore_errors=True)

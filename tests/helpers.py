@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import time
 from pathlib import Path
 
@@ -141,3 +142,20 @@ def example_task_variant(folder: Path, name: str, subclass_source: str) -> Path:
     path = folder / f"{name}.py"
     path.write_text((REPO / "examples" / "custom_task" / "tabular_task.py").read_text() + subclass_source)
     return path
+
+
+def stopped_by_sigterm(launcher: list[str], run_dir: Path, line: str, tmp_path: Path) -> tuple[int, str]:
+    """Start ``launcher`` (a 2-rank job), SIGTERM both ranks once ``line`` shows: (the launcher's exit
+    code, its whole output)."""
+    job = subprocess.Popen(launcher, cwd=tmp_path, env=job_env(tmp_path), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = wait_for_line(job, line)
+        pids = rank_pids(str(run_dir))
+        assert sorted(pids) == [0, 1], pids
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    return job.returncode, "".join(lines) + rest

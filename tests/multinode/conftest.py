@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import session_dir
+
 from .nodes import TwoNodes, unavailable_reason
 
 
@@ -16,7 +18,7 @@ def two_nodes(tmp_path_factory) -> TwoNodes:
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    nodes = TwoNodes(tmp_path_factory.mktemp("two_nodes"))
+    nodes = TwoNodes(session_dir(tmp_path_factory, "two_nodes"))
     nodes.start()
     try:
         yield nodes
@@ -33,7 +35,7 @@ def slurm_cluster(tmp_path_factory):
     reason = slurm_unavailable()
     if reason:
         pytest.skip(reason)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    cluster = SlurmCluster(session_dir(tmp_path_factory, "slurm")).start()
     try:
         yield cluster
     finally:

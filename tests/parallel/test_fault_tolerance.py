@@ -264,4 +264,6 @@ def test_a_dead_or_hung_rank_stops_the_job_within_60_seconds(kind, signum, tiny_
         assert "process rank 1" in output and "exited on signal 9" in output
     else:
         assert "Process name: 1" in output and "Exit code: 137" in output
-        assert f"1=localhost:{pids[1]}" in output  # the start-up rank table maps the rank to its host
+        # The start-up line maps ranks to hosts as ranges; ranks.tsv in the run folder names each pid.
+        assert "localhost: ranks 0-1" in output
+        assert f"1\tlocalhost\t{pids[1]}" in (run_dir / "ranks.tsv").read_text().splitlines()

@@ -6,16 +6,13 @@ finished run says so in one line with its metrics. benchmarks/ddp_port.py runs a
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 
 import pytest
 import torch
 
-from tests.helpers import BIN, JOB_TIMEOUT, REPO, assert_bitwise_equal, job_env, launch, rank_pids, read_metrics, \
-    wait_for_line
+from tests.helpers import BIN, JOB_TIMEOUT, REPO, assert_bitwise_equal, job_env, launch, read_metrics, stopped_by_sigterm
 
 EXAMPLE = REPO / "examples" / "from_ddp"
 DDP, PORT = EXAMPLE / "ddp_digits.py", EXAMPLE / "hvdtrain_digits.py"
@@ -41,22 +38,6 @@ def test_the_port_changes_at_most_20_lines():
 
 def port(out, epochs: int = 10) -> list[str]:
     return [str(PORT), "--epochs", str(epochs), "--batch-size", "64", "--out", str(out)]
-
-
-def stop_with_sigterm(launcher: list[str], run_dir, line: str, tmp_path) -> tuple[int, str]:
-    """Start ``launcher``, SIGTERM both ranks once ``line`` shows: (its exit code, its output)."""
-    job = subprocess.Popen(launcher, cwd=tmp_path, env=job_env(tmp_path), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = wait_for_line(job, line)
-        pids = rank_pids(str(run_dir))
-        assert sorted(pids) == [0, 1], pids
-        for pid in pids.values():
-            os.kill(pid, signal.SIGTERM)
-        rest, _ = job.communicate(timeout=120)
-    finally:
-        job.kill()
-    return job.returncode, "".join(lines) + rest
 
 
 def test_the_port_matches_ddp_resumes_exactly_and_says_when_it_had_finished(tmp_path):
@@ -90,7 +71,7 @@ def test_the_port_matches_ddp_resumes_exactly_and_says_when_it_had_finished(tmp_
     stopped = tmp_path / "stopped"
     launcher = [str(BIN / "python"), "-m", "hvdtrain", "launch", "-np", "2", "-H", "localhost:2", "--gloo",
                 str(BIN / "python"), *port(stopped)]
-    code, output = stop_with_sigterm(launcher, stopped, "epoch 2/10 ", tmp_path)
+    code, output = stopped_by_sigterm(launcher, stopped, "epoch 2/10 ", tmp_path)
     assert code == 75, output[-3000:]
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     resumed = subprocess.run(launcher, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,

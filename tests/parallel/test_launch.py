@@ -5,14 +5,13 @@ for all of these (the contrast is asserted once), and mpirun returns the ranks' 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
 
 import pytest
 
-from tests.helpers import BIN, PROBE, job_env, rank_pids, tiny, wait_for_line
+from tests.helpers import BIN, PROBE, job_env, rank_pids, stopped_by_sigterm, tiny, wait_for_line
 
 
 def launched(controller: str, program: list[str]) -> list[str]:
@@ -53,27 +52,16 @@ def test_mpirun_already_returns_the_ranks_code(tiny_data, tmp_path):
     assert "hvdtrain-exit" not in result.stdout + result.stderr  # no record without the launcher
 
 
-def stopped_by_sigterm(program: list[str], run_dir, line: str, tmp_path) -> tuple[int, str]:
+def launched_and_stopped(program: list[str], run_dir, line: str, tmp_path) -> tuple[int, str]:
     """``hvdtrain launch`` of ``program`` on 2 ranks, SIGTERM to both ranks once ``line`` shows:
     (the launcher's exit code, its whole output)."""
-    job = subprocess.Popen(launched("--gloo", program), cwd=tmp_path, env=job_env(tmp_path),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = wait_for_line(job, line)
-        pids = rank_pids(str(run_dir))
-        assert sorted(pids) == [0, 1], pids
-        for pid in pids.values():
-            os.kill(pid, signal.SIGTERM)
-        rest, _ = job.communicate(timeout=120)
-    finally:
-        job.kill()
-    return job.returncode, "".join(lines) + rest
+    return stopped_by_sigterm(launched("--gloo", program), run_dir, line, tmp_path)
 
 
 def test_a_checkpointed_stop_exits_75_and_the_rerun_finishes(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     program = [str(PROBE), str(tmp_path / "probe"), *tiny(tiny_data, run_dir, "train.epochs=3")]
-    code, output = stopped_by_sigterm(program, run_dir, "epoch 1/3 ", tmp_path)
+    code, output = launched_and_stopped(program, run_dir, "epoch 1/3 ", tmp_path)
     # probe.py is not the CLI: it leaves with the Preempted code, without a record; the launcher
     # takes the code horovodrun names all the same.
     assert code == 75, output
@@ -83,7 +71,7 @@ def test_a_checkpointed_stop_exits_75_and_the_rerun_finishes(tiny_data, tmp_path
     # The CLI itself: stopped in its first epoch, then the rerun finishes with 0.
     cli_dir = tmp_path / "cli"
     program = ["-m", "hvdtrain", *tiny(tiny_data, cli_dir, "train.epochs=12")]
-    code, output = stopped_by_sigterm(program, cli_dir, "epoch 1/12 ", tmp_path)
+    code, output = launched_and_stopped(program, cli_dir, "epoch 1/12 ", tmp_path)
     assert code == 75, output
     assert "Traceback" not in output and "hvdtrain-exit" not in output
     last = last_line(output)
