@@ -76,7 +76,7 @@ def setup(cfg: Config) -> Run:
               stall_warning_seconds=cfg.dist.stall_warning_seconds,
               stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
     liveness, peers = build_peers(elastic)
-    problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(),
+    problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
                                  lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"))
     if problem:
         raise ConfigError(problem)

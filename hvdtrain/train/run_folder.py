@@ -55,8 +55,12 @@ def output_dir_problem(path: Path) -> str | None:
     return None
 
 
-def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object], object]) -> str | None:
+def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object], object] | None) -> str | None:
     """Rank 0 creates the run folder and checks it; every rank gets its one-line problem (or None),
-    so that all of them stop together instead of waiting in a collective for a rank that crashed."""
+    so that all of them stop together instead of waiting in a collective for a rank that crashed.
+
+    Without ``broadcast`` (elastic runs: a worker that joins later must not call a collective its
+    running peers are not in), only rank 0 checks; its error ends its process, and Horovod Elastic
+    ends the job when no rank is left to carry it."""
     problem = output_dir_problem(path) if is_primary else None
-    return broadcast(problem)
+    return problem if broadcast is None else broadcast(problem)
