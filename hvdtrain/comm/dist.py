@@ -163,6 +163,17 @@ def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor
     return hvd.allreduce(tensor, op=hvd.Sum, name=name)
 
 
+def allreduce_sum_async(tensor: torch.Tensor, name: str) -> int:
+    """Start a sum over ranks and return at once: ``wait(handle)`` gives the result. Every rank must
+    start and wait for the same operations in the same order; ``name`` may not be in flight twice."""
+    return hvd.allreduce_async(tensor, op=hvd.Sum, name=name)
+
+
+def wait(handle: int) -> torch.Tensor:
+    """The result of an operation ``allreduce_sum_async`` started (waits until every rank sent it)."""
+    return hvd.synchronize(handle)
+
+
 def allreduce_max(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Element-wise maximum over ranks (e.g. the slowest rank's time)."""
     return hvd.allreduce(tensor, op=hvd.Max, name=name)

@@ -128,6 +128,12 @@ def choose_cores(mode: str, started_on: list[int], online: set[int], others: dic
         return None, ""  # fewer cores than ranks: no block for every rank
     if set(started_on) != online:
         return started_on, ""
+    if mode == "auto" and local_size == 1:
+        # One rank on the host: nothing to keep apart. Bound to a block narrower than the host (its
+        # threads), its Horovod, MPI and statistics threads would take turns with its compute on
+        # those cores while the others idle (1-rank hvdtrain bench, 1 thread on 2 cores: unbound
+        # ran at 1.10x bound, paired median of 6 rounds; docs/performance.md).
+        return None, ""
     claimed = set().union(*others.values()) if others else set()
     free = [cpu for cpu in started_on if cpu not in claimed]
     if mode == "rank":

@@ -20,6 +20,7 @@
                 the tracker's step point; watchdog.beat(); timeline window
               a stop signal on any rank, or failed training files past data.max_bad_fraction
                 (bad_data.DataGuard; counted one step ahead), agreed at the step boundary, ends the epoch
+                (without a data guard, in static runs, the answer is read one boundary later: no wait per step)
             data vanished? stop_for_vanished_data: checkpoint of the last good step, raise DataVanished (65)
             stopped? stop_for_preemption: checkpoint (every rank), raise Preempted (exit 75)
               (a mid-epoch checkpoint keeps the epoch's training sums so far: Static.sums_so_far;
@@ -145,6 +146,10 @@ class Trainer:
             self.stop.release_early()
             raise
         self.data_guard = DataGuard.for_run(run)
+        # Between steps, a stop is agreed without waiting (one step late), except where a step's
+        # files must be judged before it trains (the data guard) or a reset may come between two
+        # boundaries (elastic: an answer in flight would not survive Horovod's re-initialization).
+        self.stop_waits = self.data_guard is not None or not isinstance(membership, Static)
         self.bad_log = BadFilesLog(run.run_dir) if self.data_guard is not None and dist.is_primary() else None
         if run.start_epoch >= cfg.train.epochs:
             self.last = finished_metrics(run, broadcast=membership.broadcast)
@@ -195,8 +200,11 @@ class Trainer:
                 steps_of.stop()
             for _ in steps_of:
                 self.after_step(out, sums, progress)
-                if steps_of.remaining > 0 and self.stop_agreed():
+                if steps_of.remaining > 0 and self.stop_agreed(wait=self.stop_waits):
                     steps_of.stop()
+            # An answer still on its way is read here, so that none is in flight past the steps; a
+            # stop it says is agreed again at the next boundary (the signal stays recorded).
+            self.stop.settle()
             train_metrics = steps_of.metrics()
             run.watchdog.disarm()
             if progress:
@@ -213,12 +221,13 @@ class Trainer:
             if self.last["val"].get("target_reached"):
                 break  # train.target: every rank has the same global metrics, so all stop here
 
-    def stop_agreed(self) -> bool:
+    def stop_agreed(self, wait: bool = True) -> bool:
         """Every rank's answer to "stop before the next step?": a stop signal or notice on any rank,
-        or the epoch's failed training files past the limit (one allreduce for both)."""
+        or the epoch's failed training files past the limit (one allreduce for both). ``wait=False``:
+        the answer of the previous boundary (preemption.StopRequest.agreed)."""
         guard = self.data_guard
         if guard is None:
-            return self.stop.agreed()
+            return self.stop.agreed(wait=wait)
         signalled = self.stop.agreed(extra=guard.vector())
         return guard.check(self.stop.extra) or signalled
 

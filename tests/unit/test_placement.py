@@ -139,6 +139,14 @@ def test_a_slurm_job_with_part_of_an_unbound_node_leaves_binding_off(host, monke
         assert placement.place_rank("rank", "cpu", elastic=False) == [2, 3]
 
 
+def test_a_single_rank_on_a_host_is_left_unbound_unless_asked():
+    # auto: nothing to keep apart (its own helper threads would share its compute's cores)
+    assert placement.choose_cores("auto", [0, 1, 2, 3], {0, 1, 2, 3}, {}, None, 1) == (None, "")
+    assert placement.choose_cores("rank", [0, 1, 2, 3], {0, 1, 2, 3}, {}, None, 1) == ([0, 1, 2, 3], "")
+    # a launcher's narrower binding stays what it is
+    assert placement.choose_cores("auto", [2, 3], {0, 1, 2, 3}, {}, None, 1) == ([2, 3], "")
+
+
 @pytest.mark.parametrize("started_on, others, slurm, expected", [
     ([0, 1, 2, 3], {}, None, [0, 1, 2, 3]),          # alone on the host: every core
     ([2, 3], {9: {0, 1}}, None, [2, 3]),             # a cpuset/taskset narrower than the host: the job's own
