@@ -4,8 +4,9 @@ job, one exit code per way a run stops, and the one-line cause that ``hvdtrain l
     0   finished                      2   bad configuration, data, task or checkpoint
     75  stopped after a checkpoint    1   a rank was lost, or a crash
     74  a checkpoint that had to be written did not fit on its disk (EX_IOERR: not for a blind retry)
-    65  training files vanished past data.max_bad_fraction; stopped after a checkpoint of the last good
-        step (EX_DATAERR: restore the data, then run the same command; a retry before that fails again)
+    65  data files vanished: training files past data.max_bad_fraction or a tar shard (stopped after a
+        checkpoint of the last good step), or validation files past it (after the epoch's training is
+        checkpointed) (EX_DATAERR: restore the data, then run the same command; a retry before that fails again)
     130 interrupted (Ctrl-C)
 
 Light on purpose (no torch, no Horovod): the CLI reports a usage error through it before either

@@ -59,7 +59,7 @@ class DataConfig:
     on_bad_file: Literal["skip", "fail"] = "skip"
     """An undecodable image: skip = warn, count (bad_files) and replace it; fail = stop, naming the file."""
     max_bad_fraction: float = 0.01
-    """With data.on_bad_file=skip: the share of an epoch's training files that may fail (missing, unreadable, undecodable); past it, or when 64 files in a row fail, every rank stops with a checkpoint of the last good step and exit code 65 (data vanished: restore it and run the same command); 1 = never stop."""
+    """With data.on_bad_file=skip: the share of an epoch's training files, and of a validation pass's samples, that may fail (missing, unreadable, undecodable); past it, when 64 files in a row fail, or when a training tar shard cannot be read, every rank stops with a checkpoint of the last good step (validation: of the epoch's training, validated again on resume) and exit code 65 (data vanished: restore it and run the same command); 1 = never stop on a share."""
     max_image_pixels: int = 89478485
     """An image file of more pixels (width x height, read from its header) is a bad file, as data.on_bad_file says, for both decoders: a guard against decompression bombs; Pillow's limit by default; 0 = no limit."""
     index_cache: bool = True
@@ -244,7 +244,7 @@ class RuntimeConfig:
     threads: int = 0
     """torch intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
     cpu_affinity: Literal["auto", "rank", "none"] = "auto"
-    """rank = each rank's threads (and loader workers) bound to its own block of the cores its host's ranks were started on (those no other job's processes are bound to, if enough remain); none = where the launcher put them; auto = rank on CPU unless the launcher bound the ranks itself or another job may share the cores (under Slurm, part of a node without binding; elsewhere, too few cores left by other jobs' bound processes: one line says so), none on GPU and in elastic runs."""
+    """rank = each rank's threads (and loader workers) bound to its own block of the cores its host's ranks were started on (those no other job's processes are bound to, if enough remain); none = where the launcher put them; auto = rank on CPU where a host runs more than one rank of the job, unless the launcher bound the ranks itself or another job may share the cores (under Slurm, part of a node without binding; elsewhere, too few cores left by other jobs' bound processes: one line says so), none on GPU and in elastic runs."""
     cudnn_benchmark: bool = True
     """Let cuDNN pick the fastest convolution algorithms (fixed input sizes)."""
     compile: bool = False

@@ -16,6 +16,19 @@ whole vanished folder too, on other data than it started with. So:
   data is back, the same command resumes from that checkpoint;
 * an epoch with failed files gets one summary line after its epoch line, and its files go to
   bad_files.jsonl (rank 0, from the records every rank gathered; ``BadFilesLog``).
+
+Tar shards (data/shards/loader.py): a training shard that cannot be read leaves a *hole* in its
+rank's batches, which no replacement fills. The loader holds the next step's batches (read and
+counted, not yet in its checkpointed position) and counts a hole as a sample out of
+replacements, so the same step-boundary sum stops every rank before the step that would need the
+shard, whatever ``data.max_bad_fraction`` says; the line names the shard (``stop_for_vanished_data``).
+
+Validation (``check_validation``, from outputs.end_epoch on every rank): files that fail are
+dropped from the exact metrics and counted. Past ``data.max_bad_fraction`` of the split's samples in
+one pass, the metrics would speak for another split: nothing of that validation is recorded (no
+epoch record, no best.pt), the epoch's training is checkpointed as trained but not validated
+(position: the epoch's last step), and every rank stops with one line and exit code 65. The same
+command, once the data is back, resumes there (no step left to train) and validates the epoch again.
 """
 
 from __future__ import annotations
@@ -29,12 +42,14 @@ import torch
 
 from ..comm import dist
 from .. import outcome
-from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit
+from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit, validation_over_limit
 from ..data.image.folder import MAX_REPLACEMENTS
 from ..train.guard import JobStopped
-from ..train.outputs import Outputs
 from ..train.run import Run, log
 from ..train.save import save_checkpoint
+
+# The run's train.outputs.Outputs is handed in (typed Any): train/outputs.py calls check_validation,
+# so this module does not import it.
 
 BAD_FILES = "bad_files.jsonl"
 
@@ -172,7 +187,7 @@ def note_epoch(run: Run, bad_log: BadFilesLog | None, epoch: int) -> None:
             f"{bad_log.run_totals()}, listed in {bad_log.path}")
 
 
-def stop_for_vanished_data(run: Run, outputs: Outputs, guard: DataGuard, bad_log: BadFilesLog | None,
+def stop_for_vanished_data(run: Run, outputs: Any, guard: DataGuard, bad_log: BadFilesLog | None,
                            steps: int) -> None:
     """Every rank: the epoch's failed files listed, a checkpoint of the last good step, one line
     from rank 0, then DataVanished (exit code 65)."""
@@ -183,6 +198,17 @@ def stop_for_vanished_data(run: Run, outputs: Outputs, guard: DataGuard, bad_log
     path = save_checkpoint(run, outputs.saver, must=True)
     path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")  # every rank's line names it
     allowed = allowed_failures(guard.max_fraction, guard.epoch_files)
+    listed = f"{bad_log.path}" if bad_log is not None else f"{run.run_dir / BAD_FILES}"
+    where_stopped = (f"Stopped before global step {position.step + 1} (epoch {position.epoch + 1}, step "
+                     f"{position.step_in_epoch + 1}/{steps}): the checkpoint of the last good step is {path}, the "
+                     f"failed files are listed in {listed}.")
+    shards = [record for record in summary.records if getattr(record, "shard", False)]
+    if shards:  # a hole: no share of the limit makes up for it
+        first = summary.row_end if getattr(summary.row_end, "shard", False) else shards[0]
+        more = f" (and {len(shards) - 1} more shard(s))" if len(shards) > 1 else ""
+        raise vanished(f"hvdtrain: training data vanished: shard {first.path} cannot be read ({first.reason}: "
+                       f"{first.detail}){more}, and epoch {position.epoch + 1} needs it. {where_stopped} Restore the "
+                       f"shards (remount the volume), then run the same command to resume")
     if summary.row_end is not None and summary.total <= allowed:
         cause = (f"a training sample found no readable file in {MAX_REPLACEMENTS} tries in a row, "
                  f"from {summary.row_end.path} on ({summary.total} of the {summary.files_read} files read in epoch "
@@ -192,12 +218,40 @@ def stop_for_vanished_data(run: Run, outputs: Outputs, guard: DataGuard, bad_log
         cause = (f"{summary.total} of the {summary.files_read} training files read in epoch {position.epoch + 1} "
                  f"failed ({share:.1%}: {summary.reasons()}; data.max_bad_fraction={guard.max_fraction:g} allows "
                  f"{allowed} of the epoch's {guard.epoch_files})")
-    listed = f"{bad_log.path}" if bad_log is not None else f"{run.run_dir / BAD_FILES}"
-    line = (f"hvdtrain: training data vanished: {cause}; {where_most(summary)}. Stopped before global step "
-            f"{position.step + 1} (epoch {position.epoch + 1}, step {position.step_in_epoch + 1}/{steps}): the "
-            f"checkpoint of the last good step is {path}, the failed files are listed in {listed}. Restore the "
+    line = (f"hvdtrain: training data vanished: {cause}; {where_most(summary)}. {where_stopped} Restore the "
             f"data (remount the volume), then run the same command to resume; or raise data.max_bad_fraction")
     raise vanished(line)
+
+
+def check_validation(run: Run, outputs: Any, epoch: int) -> None:
+    """After an epoch's validation, before anything of it is recorded (every rank: the summary is
+    the same on each). Past ``data.max_bad_fraction`` of the split's samples failed: the failed files
+    listed, a checkpoint of the epoch's training (trained, not validated), one line, DataVanished."""
+    loader, max_fraction = run.loaders.val, run.cfg.data.max_bad_fraction
+    summary = getattr(loader, "last_summary", None)
+    if getattr(loader, "fail", False) or not validation_over_limit(summary, max_fraction, run.loaders.val_size):
+        return
+    train = take_summary(run.loaders.train)
+    take_summary(loader)
+    bad_log = BadFilesLog(run.run_dir) if dist.is_primary() else None
+    if bad_log is not None:
+        bad_log.write(epoch, "train", train)
+        bad_log.write(epoch, "val", summary)
+    path = save_checkpoint(run, outputs.saver, audited=True, must=True)
+    path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")
+    split = run.loaders.val_size or summary.files_read
+    listed = bad_log.path if bad_log is not None else run.run_dir / BAD_FILES
+    raise vanished(validation_line(summary, split, max_fraction, epoch, path, listed))
+
+
+def validation_line(summary: Summary, split: int, max_fraction: float, epoch: int, path: Any, listed: Any) -> str:
+    return (f"hvdtrain: validation data vanished: {summary.total} of the {split} validation samples failed in "
+            f"epoch {epoch + 1} ({summary.total / max(split, 1):.1%}: {summary.reasons()}; "
+            f"data.max_bad_fraction={max_fraction:g} allows {allowed_failures(max_fraction, split)}); "
+            f"{where_most(summary)}. Epoch {epoch + 1}'s training is saved, not validated (its metrics would leave "
+            f"those samples out), in {path}; the failed files are listed in {listed}. Restore the data (remount "
+            f"the volume), then run the same command: it resumes there and validates epoch {epoch + 1} again; or "
+            f"raise data.max_bad_fraction")
 
 
 def check_epoch_end(run: Run, guard: DataGuard | None, epoch: int, train_metrics: dict[str, Any]) -> None:
@@ -213,4 +267,5 @@ def check_epoch_end(run: Run, guard: DataGuard | None, epoch: int, train_metrics
                        f"data, then run the same command; or raise data.max_bad_fraction")
 
 
-__all__ = ["BadFilesLog", "DataGuard", "DataVanished", "note_epoch", "stop_for_vanished_data", "check_epoch_end"]
+__all__ = ["BadFilesLog", "DataGuard", "DataVanished", "note_epoch", "stop_for_vanished_data", "check_epoch_end",
+           "check_validation"]

@@ -37,7 +37,7 @@ RECORD = "hvdtrain-exit"
 MEANINGS = {
     1: "a crash",
     2: "bad configuration or data",
-    65: "training files vanished (see bad_files.jsonl in output.dir): restore them, then run the same command",
+    65: "data files vanished (see bad_files.jsonl in output.dir): restore them, then run the same command",
     74: "a checkpoint did not fit on its disk: free space, then run the same command",
     75: "stopped after a checkpoint: run the same command to resume",
     130: "interrupted",

@@ -194,9 +194,13 @@ def bench_command(controller: str, hosts: Sequence[Any], args: argparse.Namespac
         cmd += ["--ssh-port", str(args.ssh_port)]
     if args.ssh_identity_file:
         cmd += ["--ssh-identity-file", args.ssh_identity_file]
-    return cmd + [sys.executable, "-m", "hvdtrain", "doctor", "--bench", "--sizes", args.sizes,
-                  "--iters", str(args.iters), "--warmup", str(args.warmup), "--devices", ",".join(devices),
-                  "--bench-timeout", str(args.bench_timeout)]
+    return cmd + [sys.executable, *bench_arguments(args, devices)]
+
+
+def bench_arguments(args: argparse.Namespace, devices: Sequence[str]) -> list[str]:
+    """What each rank runs after its Python (under horovodrun, or srun: allreduce_slurm.py)."""
+    return ["-m", "hvdtrain", "doctor", "--bench", "--sizes", args.sizes, "--iters", str(args.iters),
+            "--warmup", str(args.warmup), "--devices", ",".join(devices), "--bench-timeout", str(args.bench_timeout)]
 
 
 def run_bench(controller: str, hosts: Sequence[Any], args: argparse.Namespace, sizes: Sequence[int],

@@ -322,7 +322,7 @@ def count_opens() -> dict:
     import collections
 
     from ..data.image import folder as image_folder
-    from ..data.shards import loader as shards
+    from ..data.shards import read as shard_reading
 
     counter: dict = collections.defaultdict(int)
 
@@ -333,5 +333,5 @@ def count_opens() -> dict:
         return wrapper
 
     image_folder.read_file = counting(image_folder.read_file)
-    shards.open_binary = counting(shards.open_binary)
+    shard_reading.open_binary = counting(shard_reading.open_binary)
     return counter

@@ -9,13 +9,14 @@
    builds, an unreachable host or a name that does not resolve end the doctor with exit status 1
    and one line per problem naming the host. Where the hosts share several interfaces, the one
    whose subnet holds the other hosts' addresses is named, with the line that pins it.
-2. One rank per slot is launched with horovodrun, once per controller Horovod was built with
-   (Gloo, MPI); each job times allreduce (sum, float32) over a sweep of sizes on CPU tensors, and
-   one of them (the first that succeeds) on GPU tensors too where every host has a GPU and NCCL
-   ops: Horovod sends GPU tensors through NCCL under either controller, so that column is
-   "nccl/gpu". The table shows bus bandwidth as nccl-tests defines it: busbw = algbw x 2(n-1)/n,
-   algbw = bytes / time, time = the slowest rank's mean time per allreduce; so busbw is
-   comparable across rank counts and approaches the link bandwidth for ring allreduce.
+2. One rank per slot is launched with horovodrun (inside a Slurm allocation: as an srun step of
+   it, allreduce_slurm.py), once per controller Horovod was built with (Gloo, MPI); each job
+   times allreduce (sum, float32) over a sweep of sizes on CPU tensors, and one of them (the
+   first that succeeds) on GPU tensors too where every host has a GPU and NCCL ops: Horovod
+   sends GPU tensors through NCCL under either controller, so that column is "nccl/gpu". The
+   table shows bus bandwidth as nccl-tests defines it: busbw = algbw x 2(n-1)/n, algbw = bytes /
+   time, time = the slowest rank's mean time per allreduce; so busbw is comparable across rank
+   counts and approaches the link bandwidth for ring allreduce.
    Each launch has a deadline (--bench-timeout, 90 s); a launch still running then is ended with
    everything it started, and one line says how far it got and what to try.
 3. The known traps, one line each with the fix (doctor_checks.py): GPU operations without a GPU
@@ -24,7 +25,8 @@
    short of space for the checkpoints, and each host's read speed of the data folder.
 
 Inside a Slurm allocation (``salloc``, ``sbatch``, ``srun ... hvdtrain doctor``) without -H, the
-hosts are the allocation's and the probe runs on each with srun instead of ssh.
+hosts are the allocation's, the probe runs on each with srun instead of ssh, and so do the allreduce
+ranks: one step of the allocation per controller (allreduce_slurm.py), nothing over ssh.
 
 Internal modes (run by the doctor itself on each host): ``--probe`` prints the host's facts as
 one JSON line; ``--bench`` runs the timing loop under a launcher and rank 0 prints the results.
@@ -48,10 +50,12 @@ from typing import Any
 from ..config import ConfigError, load_config
 from . import doctor_checks as checks
 from .allreduce import bench, print_bandwidth, run_bench
+from .allreduce_slurm import NotStarted, gloo_rank_env, launch_line, run_srun_bench
 # The doctor's names, as tests and the CLI know them: the host list and the probe's facts live apart.
 from .doctor_checks import gloo_launcher_hides_env, secrets_note  # noqa: F401
 from .doctor_hosts import (DoctorError, Host, check_host_name, extra_task, parse_hosts, pick_hosts, read_hostfile,  # noqa: F401 (re-exported)
                            srun_probe_command)
+from .doctor_hosts import common_interfaces, interface_line, pick_interface
 from .process import run_with_deadline
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -193,53 +197,6 @@ def format_fact(key: str, value: Any) -> str:
     return str(value)
 
 
-def common_interfaces(hosts: list[Host]) -> list[str]:
-    names = [set(h.facts.get("interfaces", {})) for h in hosts if h.facts]
-    return sorted(set.intersection(*names)) if names else []
-
-
-def subnets(host: Host, interface: str) -> list[ipaddress.IPv4Interface]:
-    return [ipaddress.ip_interface(a) for a in host.facts.get("interfaces", {}).get(interface, [])]
-
-
-def connects(hosts: list[Host], interface: str) -> bool:
-    """True when, on every host, a subnet of ``interface`` holds the addresses of all the others."""
-    for host in hosts:
-        others = [ipaddress.ip_address(h.address) for h in hosts if h is not host]
-        if not any(all(address in net.network for address in others) for net in subnets(host, interface)):
-            return False
-    return True
-
-
-def pick_interface(hosts: list[Host]) -> tuple[str | None, list[str]]:
-    """(the interface that connects the hosts or None, the shared ones a launch could spread over).
-
-    A launch left to itself may use every interface the hosts share: horovodrun gives them all to
-    Open MPI (btl_tcp_if_include) and NCCL, and Open MPI's TCP transport then splits large
-    messages over them and can hang (docs/launching.md). The loopback interface counts only where
-    the hosts' names resolve to loopback addresses (several "hosts" on one machine).
-    """
-    if len(hosts) < 2 or any(not h.address or not h.facts for h in hosts):
-        return None, []
-    shared = common_interfaces(hosts)
-    routed = [name for name in shared if connects(hosts, name)]
-    loopback = {name for name in shared if all(net.ip.is_loopback for h in hosts for net in subnets(h, name))}
-    choices = [name for name in shared if name not in loopback or name in routed]
-    return (routed[0] if len(routed) == 1 else None), choices
-
-
-def interface_line(chosen: str | None, choices: list[str]) -> str | None:
-    """What to print about interfaces: nothing where only one could carry the traffic."""
-    if len(choices) < 2:
-        return None
-    if chosen:
-        return (f"to pin the network: horovodrun --network-interfaces {chosen} ... and "
-                f"NCCL_SOCKET_IFNAME={chosen} (the hosts share {', '.join(choices)}; "
-                f"only {chosen}'s subnet holds their addresses)")
-    return (f"the hosts share {', '.join(choices)}: pin the one that connects them, horovodrun "
-            "--network-interfaces IFACE ... and NCCL_SOCKET_IFNAME=IFACE")
-
-
 def print_hosts(hosts: list[Host]) -> None:
     header = f"{'host':<16} {'slots':>5}  {'python':<8} {'torch':<14} {'horovod':<8} {'hvdtrain':<8} " \
              f"{'built':<14} gpus"
@@ -313,12 +270,13 @@ def main(argv: list[str]) -> int:
     if args.probe:
         print(json.dumps(local_facts(args.data_dir, args.output_dir)), flush=True)
         return 0
+    if args.bench:  # a rank (of horovodrun's, or of an srun step: every task of it measures)
+        os.environ.update(gloo_rank_env(os.environ))  # its place in a Gloo step the doctor started with srun
+        bench(parse_sizes(args.sizes), args.iters, args.warmup, args.devices.split(","), args.bench_timeout)
+        return 0
     if extra_task(os.environ):
         return 0  # `srun -N4 hvdtrain doctor`: the first task checks every node, the others have nothing to add
     sizes = parse_sizes(args.sizes)
-    if args.bench:
-        bench(sizes, args.iters, args.warmup, args.devices.split(","), args.bench_timeout)
-        return 0
     hosts = pick_hosts(args)
     if len({h.name for h in hosts}) != len(hosts):
         raise DoctorError("a host is listed twice: give each host once with its slot count")
@@ -373,18 +331,41 @@ def main(argv: list[str]) -> int:
     if interface and not args.network_interfaces:
         print(f"(the measurements use --network-interfaces {interface})")
     # GPU tensors go through NCCL whichever controller runs: time them in one job only.
-    gpus = all(h.facts["gpus"] for h in reachable) and built.get("nccl")
-    results, failed = [], []
+    gpus = bool(all(h.facts["gpus"] for h in reachable) and built.get("nccl"))
+    results, failed = measure(controllers, hosts, args, sizes, gpus, interface, chosen, choices)
+    if results:
+        print_bandwidth(results)
+        measured = [r["controller"] for r in results]
+        print(launch_line(hosts, measured) if args.slurm else horovodrun_line(hosts))
+    for problem in failed:
+        print(f"hvdtrain doctor: {problem}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def measure(controllers: list[str], hosts: list[Host], args: argparse.Namespace, sizes: list[int], gpus: bool,
+            interface: str | None, chosen: str | None, choices: list[str]) -> tuple[list[dict], list[str]]:
+    """One launch per controller: horovodrun, or inside an allocation an srun step
+    (allreduce_slurm.py); returns (results, one line per failed launch). A step srun could not
+    start at all ends the loop: the next controller's would fail the same way."""
+    launch = run_srun_bench if args.slurm else run_bench
+    how = f" (an srun step of Slurm job {os.environ.get('SLURM_JOB_ID', '?')})" if args.slurm else ""
+    results: list[dict] = []
+    failed: list[str] = []
     for controller in controllers:
         devices = ["cpu", "cuda"] if gpus and not any("cuda" in r["seconds"] for r in results) else ["cpu"]
-        print(f"measuring allreduce with the {controller} controller ...", flush=True)
-        result, error = run_bench(controller, hosts, args, sizes, devices, interface, chosen, choices)
+        print(f"measuring allreduce with the {controller} controller{how} ...", flush=True)
+        result, error = launch(controller, hosts, args, sizes, devices, interface, chosen, choices)
         if result:
             results.append(result)
         else:
             failed.append(error)
-    if results:
-        print_bandwidth(results)
-    for problem in failed:
-        print(f"hvdtrain doctor: {problem}", file=sys.stderr)
-    return 1 if failed else 0
+            if isinstance(error, NotStarted):
+                break
+    return results, failed
+
+
+def horovodrun_line(hosts: list[Host]) -> str:
+    """How the allreduce ranks were started outside an allocation."""
+    remote = [h.name for h in hosts if not is_local(h.name)]
+    return ("allreduce ranks launched with horovodrun over ssh" if remote
+            else "allreduce ranks launched with horovodrun on this machine (no ssh)")

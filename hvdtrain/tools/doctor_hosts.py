@@ -1,12 +1,14 @@
 """The hosts ``hvdtrain doctor`` checks: -H, --hostfile, an elastic job's discovery script, or,
 inside a Slurm allocation (``salloc``, ``sbatch``, ``srun ... hvdtrain doctor``) without either,
 the allocation's nodes, which the doctor then reaches with ``srun`` instead of ssh (a cluster may
-close ssh to compute nodes; a step of one's own job is always allowed).
+close ssh to compute nodes; a step of one's own job is always allowed). Also the network
+interfaces the hosts share, and the one whose subnet connects them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import subprocess
@@ -140,3 +142,50 @@ def extra_task(env: Mapping[str, str]) -> bool:
     """Whether this process is one of several tasks of an ``srun ... hvdtrain doctor`` step and not
     the first: one doctor per step is enough (it reaches every node with srun itself)."""
     return bool(env.get("SLURM_STEP_ID")) and int(env.get("SLURM_PROCID", "0") or 0) > 0
+
+
+def common_interfaces(hosts: list[Host]) -> list[str]:
+    names = [set(h.facts.get("interfaces", {})) for h in hosts if h.facts]
+    return sorted(set.intersection(*names)) if names else []
+
+
+def subnets(host: Host, interface: str) -> list[ipaddress.IPv4Interface]:
+    return [ipaddress.ip_interface(a) for a in host.facts.get("interfaces", {}).get(interface, [])]
+
+
+def connects(hosts: list[Host], interface: str) -> bool:
+    """True when, on every host, a subnet of ``interface`` holds the addresses of all the others."""
+    for host in hosts:
+        others = [ipaddress.ip_address(h.address) for h in hosts if h is not host]
+        if not any(all(address in net.network for address in others) for net in subnets(host, interface)):
+            return False
+    return True
+
+
+def pick_interface(hosts: list[Host]) -> tuple[str | None, list[str]]:
+    """(the interface that connects the hosts or None, the shared ones a launch could spread over).
+
+    A launch left to itself may use every interface the hosts share: horovodrun gives them all to
+    Open MPI (btl_tcp_if_include) and NCCL, and Open MPI's TCP transport then splits large
+    messages over them and can hang (docs/launching.md). The loopback interface counts only where
+    the hosts' names resolve to loopback addresses (several "hosts" on one machine).
+    """
+    if len(hosts) < 2 or any(not h.address or not h.facts for h in hosts):
+        return None, []
+    shared = common_interfaces(hosts)
+    routed = [name for name in shared if connects(hosts, name)]
+    loopback = {name for name in shared if all(net.ip.is_loopback for h in hosts for net in subnets(h, name))}
+    choices = [name for name in shared if name not in loopback or name in routed]
+    return (routed[0] if len(routed) == 1 else None), choices
+
+
+def interface_line(chosen: str | None, choices: list[str]) -> str | None:
+    """What to print about interfaces: nothing where only one could carry the traffic."""
+    if len(choices) < 2:
+        return None
+    if chosen:
+        return (f"to pin the network: horovodrun --network-interfaces {chosen} ... and "
+                f"NCCL_SOCKET_IFNAME={chosen} (the hosts share {', '.join(choices)}; "
+                f"only {chosen}'s subnet holds their addresses)")
+    return (f"the hosts share {', '.join(choices)}: pin the one that connects them, horovodrun "
+            "--network-interfaces IFACE ... and NCCL_SOCKET_IFNAME=IFACE")

@@ -125,11 +125,16 @@ class Epoch:
         self.start = time.perf_counter()
         # A loader that counts its bad files has one step's batches taken ahead, so that the ranks
         # agree on a stop for vanished data before the step that would train on it (fault/bad_data.py).
-        ahead = settings.backward_passes_per_step if getattr(batches, "counts_bad_files", False) and \
-            not getattr(batches, "counts_taken_batches", False) else 0
-        self.iterator = DeviceBatches(batches, settings,
-                                      count=(steps - position.step_in_epoch) * settings.backward_passes_per_step,
-                                      ahead=ahead)
+        # One whose position counts the batches taken (tar shards) holds them itself: read and counted,
+        # but not taken, so that a checkpoint at a stop counts only the batches trained on.
+        count = (steps - position.step_in_epoch) * settings.backward_passes_per_step
+        ahead = settings.backward_passes_per_step if getattr(batches, "counts_bad_files", False) else 0
+        if getattr(batches, "counts_taken_batches", False):
+            hold_ahead = getattr(batches, "hold_ahead", None)
+            if hold_ahead is not None:
+                hold_ahead(ahead, count)
+            ahead = 0
+        self.iterator = DeviceBatches(batches, settings, count=count, ahead=ahead)
         self.clock = settings.step_clock()
         self.data_seconds = time.perf_counter() - self.start  # waiting for the batches taken ahead
         self.stopped = False
@@ -225,7 +230,8 @@ class DeviceBatches:
     caching allocator does not hand it out while the step still reads it. Only ``count`` batches are
     taken from the loader, so nothing beyond the epoch's steps is read. Loaders whose checkpointed
     position counts the batches taken (tar shards) get no prefetch: the batch taken ahead would be
-    counted as trained on. On a CPU, each batch is prepared when it is asked for; ``ahead`` batches
+    counted as trained on (they hold the next step's batches themselves: data/shards/loader.py). On a CPU,
+    each batch is prepared when it is asked for; ``ahead`` batches
     are taken from the loader before that (as they come, not yet on the device), so that the loader
     has counted what they hold.
     """

@@ -1,5 +1,6 @@
 """The end of an epoch and of a run: rank 0's writers (metrics.jsonl, tensorboard, checkpoints, trackers),
-validation with the EMA, best.pt and train.target, the epoch line, and the checkpointed stops.
+validation with the EMA (stopped where too many validation files failed: fault/bad_data.py), best.pt and
+train.target, the epoch line, and the checkpointed stops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..comm.dist import log
 from .engine import evaluate
 from ..observe.metrics import MetricSums, MetricsWriter
 from ..observe.report import add_rank_report
+from ..fault.bad_data import check_validation
 from ..fault.preemption import StopRequest
 from ..observe.rank_logs import write_host_map
 from ..tasks import metric_direction
@@ -126,6 +128,9 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     if run.ema is not None:
         validate_with_ema(run, val_metrics, watch)
     run.watchdog.disarm()
+    # Validation files failed past data.max_bad_fraction: the epoch's training is checkpointed, not
+    # validated, and every rank stops (exit 65) before any of these metrics is recorded.
+    check_validation(run, outputs, epoch)
     val_metrics["lr"] = train_metrics["lr"]
     name = best_metric_name(run)
     if name not in val_metrics:

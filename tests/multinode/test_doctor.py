@@ -97,3 +97,53 @@ def test_doctor_inside_a_slurm_allocation_probes_its_nodes_with_srun(slurm_clust
     assert out.count("hvdtrain doctor: 1 host(s), 2 slot(s)") == 1, out  # one doctor for the step's two tasks
     assert re.search(rf"^{slurm_cluster.node}\s+2\s+3\.\d+\.\d+\s", out, re.M), out
     assert "hosts OK (bandwidth not measured: --skip-bench)" in out, out
+
+
+def test_doctor_inside_a_slurm_allocation_measures_allreduce_as_srun_steps_without_ssh(slurm_cluster, tmp_path):
+    """The same doctor without --skip-bench: each controller's allreduce ranks are a step of the job
+    (srun --mpi=pmix for MPI; for Gloo srun --mpi=none and the doctor's own rendezvous), not horovodrun.
+    ssh on PATH is a stand-in that records any call and fails, as on a cluster that closes it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'ssh-calls'}\nexit 255\n")
+    (fake / "ssh").chmod(0o755)
+    script = tmp_path / "doctor.sbatch"
+    script.write_text(f"#!/bin/sh\nexec srun --nodes=1 --ntasks=2 {BIN / 'python'} -m hvdtrain doctor "
+                      "--sizes 4K,256K --warmup 1 --iters 3 --bench-timeout 60\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"PATH": f"{fake}:{env['PATH']}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+    job, state, out = slurm_cluster.sbatch(script, [], tmp_path, env, ["--ntasks=2", "--nodes=1"], timeout=300)
+    assert state == "COMPLETED", out
+    assert f"hvdtrain doctor: in Slurm job {job}: its 1 node(s), probed with srun" in out, out
+    for controller in ("gloo", "mpi"):
+        assert f"measuring allreduce with the {controller} controller (an srun step of Slurm job {job}) ..." in out, out
+    header = next(line for line in out.splitlines() if line.strip().startswith("size"))
+    assert header.split() == ["size", "gloo/cpu", "mpi/cpu"], out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+ (KiB|MiB)\s", line)]
+    assert [" ".join(row[:2]) for row in rows] == ["4 KiB", "256 KiB"], out
+    assert all(float(value) > 0 for row in rows for value in row[2:]), out
+    assert "over 2 ranks" in out
+    assert (f"\nallreduce ranks launched with srun in Slurm job {job}, 2 ranks on 1 node(s) (gloo: srun --mpi=none "
+            "and the doctor's rendezvous, mpi: srun --mpi=pmix); no ssh\n") in out, out
+    assert not (tmp_path / "ssh-calls").exists(), (tmp_path / "ssh-calls").read_text()
+
+
+def test_doctor_inside_an_allocation_whose_step_cannot_start_says_so_in_one_line(slurm_cluster, tmp_path):
+    """The doctor in the batch script itself, told of 3 tasks where the job has 2 CPUs: srun cannot
+    create the measurement's step. One line with the fix, after the full host report, exit 1, and
+    the second controller is not tried."""
+    script = tmp_path / "doctor.sbatch"
+    script.write_text(f"#!/bin/sh\nSLURM_TASKS_PER_NODE=3 exec {BIN / 'python'} -m hvdtrain doctor --sizes 4K "
+                      "--bench-timeout 60\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    job, state, out = slurm_cluster.sbatch(script, [], tmp_path, env, ["--ntasks=2", "--nodes=1"], timeout=300)
+    assert state == "FAILED", out
+    node = slurm_cluster.node
+    assert re.search(rf"^{node}\s+3\s+3\.\d+\.\d+\s", out, re.M), out  # the host report stands
+    assert out.count("measuring allreduce with the") == 1, out
+    assert re.search(rf"^hvdtrain doctor: srun could not start the 3 allreduce ranks in Slurm job {job} \(srun: error: "
+                     rf"Unable to create step for job {job}: .*\): the measurement runs one task per slot \({node}:3\) "
+                     r"with a CPU each, inside the allocation; ask for them \(sbatch/salloc --ntasks=3 --nodes=1\), or "
+                     r"add --skip-bench \(the host checks above stand\)$", out, re.M), out
+    assert "allreduce ranks launched" not in out

@@ -99,7 +99,7 @@ def test_files_vanishing_in_epoch_1_stop_both_ranks_at_a_good_step_and_the_rerun
     assert len(lines) == 2, output[-4000:]   # rank 0's line, and hvdtrain launch's last line, which repeats it
     line = lines[0]
     assert lines[1] == [entry for entry in stopped.stderr.splitlines() if entry.strip()][-1]
-    assert lines[1].startswith("hvdtrain launch: exit 65 (training files vanished") and lines[1].endswith(
+    assert lines[1].startswith("hvdtrain launch: exit 65 (data files vanished") and lines[1].endswith(
         line[line.index("hvdtrain: training data vanished"):])
     found = re.search(r"hvdtrain: training data vanished: (\d+) of the (\d+) training files read in epoch 1 failed "
                       r"\(([\d.]+)%: (\d+) missing; data\.max_bad_fraction=0\.01 allows 1 of the epoch's 192\); "

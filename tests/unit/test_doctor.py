@@ -1,9 +1,11 @@
-"""The doctor's arithmetic, argument parsing, interface choice, messages and deadline (the launched
-parts: tests/multinode/test_doctor.py)."""
+"""The doctor's arithmetic, argument parsing, interface choice, messages and deadline, and its
+allreduce launch inside a Slurm allocation with a stand-in srun (the launched parts:
+tests/multinode/test_doctor.py)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import time
@@ -12,7 +14,7 @@ import psutil
 import pytest
 
 from hvdtrain.comm import launcher_env as launcher
-from hvdtrain.tools import allreduce, process
+from hvdtrain.tools import allreduce, allreduce_slurm, doctor, process
 from hvdtrain.tools.allreduce import bus_bandwidth, print_bandwidth, reached, read_steps, stall_message
 from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, interface_line, parse_hosts, parse_sizes,
                                    pick_interface, read_hostfile)
@@ -232,3 +234,78 @@ def test_a_launch_that_ends_in_time_is_read_whole(tmp_path):
     finished = run_with_deadline([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
                                   "sys.exit(3)"], 30)
     assert (finished.returncode, finished.stdout, finished.stderr, finished.timed_out) == (3, "out\n", "err\n", False)
+
+
+# --- inside a Slurm allocation: the ranks as an srun step --------------------------------------
+def slurm_args(**changes) -> argparse.Namespace:
+    base = dict(sizes="4K,1M", iters=0, warmup=2, bench_timeout=90, slurm=True)
+    return argparse.Namespace(**{**base, **changes})
+
+
+def test_the_allreduce_step_is_an_srun_of_the_allocation(monkeypatch):
+    hosts = [Host("gpu01", 4), Host("gpu02", 4)]
+    monkeypatch.delenv("SRUN_MPI", raising=False)
+    tail = [sys.executable, "-m", "hvdtrain", "doctor", "--bench", "--sizes", "4K,1M", "--iters", "0", "--warmup", "2",
+            "--devices", "cpu", "--bench-timeout", "90"]
+    assert allreduce_slurm.srun_bench_command("mpi", hosts, slurm_args(), ["cpu"]) == [
+        "srun", "--overlap", "--nodes=2", "--ntasks=8", "--nodelist=gpu01,gpu02", "--distribution=block",
+        "--cpus-per-task=1", "--immediate=20", "--kill-on-bad-exit=1", "--mpi=pmix", "--ntasks-per-node=4", *tail]
+    monkeypatch.setenv("SRUN_MPI", "pmi2")  # train.sbatch's knob
+    uneven = allreduce_slurm.srun_bench_command("mpi", [Host("a", 2), Host("b", 1)], slurm_args(bench_timeout=30),
+                                                ["cpu"])
+    assert "--mpi=pmi2" in uneven and "--immediate=10" in uneven and not any("per-node" in a for a in uneven)
+    assert "--mpi=none" in allreduce_slurm.srun_bench_command("gloo", hosts, slurm_args(), ["cpu"])
+    # The step's environment: what described the doctor's own step is left out, the controller's added.
+    for key, value in {"PMIX_RANK": "0", "SLURM_NTASKS_PER_NODE": "1", "HOROVOD_RANK": "3", "KEEP_ME": "1"}.items():
+        monkeypatch.setenv(key, value)
+    env = allreduce_slurm.srun_env("gloo", hosts, ["cpu"], None, ("10.0.0.9", 4321, "t0k"), "ib0")
+    assert {k: env.get(k) for k in ("PMIX_RANK", "SLURM_NTASKS_PER_NODE", "HOROVOD_RANK", "KEEP_ME")} == {
+        "PMIX_RANK": None, "SLURM_NTASKS_PER_NODE": None, "HOROVOD_RANK": None, "KEEP_ME": "1"}
+    assert (env["HOROVOD_CONTROLLER"], env["HOROVOD_GLOO_RENDEZVOUS_ADDR"], env["HOROVOD_GLOO_RENDEZVOUS_PORT"],
+            env["HOROVOD_GLOO_IFACE"], env[allreduce_slurm.SLOTS_VARIABLE]) == (
+        "gloo", "10.0.0.9:4321/t0k", "4321", "ib0", "gpu01:4,gpu02:4")
+    env = allreduce_slurm.srun_env("mpi", hosts, ["cpu"], "ib0", None)
+    assert env["HOROVOD_CONTROLLER"] == "mpi" and env["OMPI_MCA_btl_tcp_if_include"] == "ib0"
+    assert "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in env
+
+
+def test_each_gloo_task_finds_its_place_in_the_plan_as_horovodrun_would_give_it():
+    plan = {allreduce_slurm.SLOTS_VARIABLE: "gpu01:2,gpu02:1"}
+    assert allreduce_slurm.gloo_rank_env({}) == {}
+    third = allreduce_slurm.gloo_rank_env({**plan, "SLURMD_NODENAME": "gpu02", "SLURM_LOCALID": "0"})
+    assert third == {"HOROVOD_HOSTNAME": "gpu02", "HOROVOD_RANK": "2", "HOROVOD_SIZE": "3", "HOROVOD_LOCAL_RANK": "0",
+                     "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2"}
+    second = allreduce_slurm.gloo_rank_env({**plan, "SLURMD_NODENAME": "gpu01", "SLURM_LOCALID": "1"})
+    assert (second["HOROVOD_RANK"], second["HOROVOD_CROSS_RANK"], second["HOROVOD_CROSS_SIZE"]) == ("1", "0", "1")
+    with pytest.raises(SystemExit, match="srun placed task 1 of node gpu02 outside the doctor's plan"):
+        allreduce_slurm.gloo_rank_env({**plan, "SLURMD_NODENAME": "gpu02", "SLURM_LOCALID": "1"})
+
+
+FAKE_SRUN = """#!/bin/sh
+echo "$@" >> "{calls}"
+echo "srun: Job 4242 step creation temporarily disabled, retrying (Requested nodes are busy)" >&2
+echo "srun: error: Unable to create step for job 4242: More processors requested than permitted" >&2
+exit 1
+"""
+
+
+def test_a_step_srun_cannot_start_is_one_line_with_the_fix_and_ends_the_measurements(tmp_path, monkeypatch, capsys):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(calls=calls))
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    host = Host("localhost", 3)
+    host.address = "127.0.0.1"
+    results, failed = doctor.measure(["gloo", "mpi"], [host], slurm_args(), [4096], False, None, None, [])
+    assert results == [] and len(calls.read_text().splitlines()) == 1  # gloo's step only: mpi's would fail alike
+    assert failed == [
+        "srun could not start the 3 allreduce ranks in Slurm job 4242 (srun: error: Unable to create step for job "
+        "4242: More processors requested than permitted): the measurement runs one task per slot (localhost:3) "
+        "with a CPU each, inside the allocation; ask for them (sbatch/salloc --ntasks=3 --nodes=1), or add "
+        "--skip-bench (the host checks above stand)"]
+    assert "measuring allreduce with the gloo controller (an srun step of Slurm job 4242) ..." in capsys.readouterr().out
+    assert allreduce_slurm.not_started("mpi", [host], "srun: error: Couldn't find the specified plugin name for "
+                                       "mpi/pmix looking at all files\n").startswith(
+        "mpi controller: srun could not start the ranks with --mpi=")

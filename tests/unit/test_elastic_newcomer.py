@@ -42,6 +42,9 @@ def newcomer_start(cfg):
 def test_a_joining_worker_calls_no_collective_before_the_state_sync(tiny_data, tmp_path, monkeypatch,
                                                                     with_checkpoint):
     run_dir = tmp_path / "run"
+    # A test before this one may have started Horovod with hvdtrain's CPU defaults in the environment,
+    # one of which elastic runs refuse (comm/horovod_env.py); this process's Horovod is not restarted.
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
     if with_checkpoint:  # a first worker trained an epoch and checkpointed (collectives allowed here)
         from hvdtrain.train.trainer import Trainer
 

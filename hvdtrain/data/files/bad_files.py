@@ -46,14 +46,17 @@ class BadFile(str):
     detail: str           # the error, e.g. "FileNotFoundError: No such file or directory"
     own: bool             # the sample's own file; False: met as a replacement candidate (not counted)
     row_end: bool         # the last of MAX_REPLACEMENTS failures in a row: the sample has no image
+    shard: bool           # a training tar shard that could not be read: its batches have no images (a hole)
 
-    def __new__(cls, path: str, reason: str, detail: str, own: bool = True, row_end: bool = False) -> "BadFile":
+    def __new__(cls, path: str, reason: str, detail: str, own: bool = True, row_end: bool = False,
+                shard: bool = False) -> "BadFile":
         record = super().__new__(cls, f"{path} ({detail})")
         record.path, record.reason, record.detail, record.own, record.row_end = path, reason, detail, own, row_end
+        record.shard = shard
         return record
 
     def __reduce__(self):
-        return BadFile, (self.path, self.reason, self.detail, self.own, self.row_end)
+        return BadFile, (self.path, self.reason, self.detail, self.own, self.row_end, self.shard)
 
 
 def os_error_reason(error: OSError) -> str:
@@ -170,6 +173,14 @@ def over_limit(totals: Sequence[float], max_fraction: float, epoch_files: int) -
     """Whether the summed step-boundary vector (``EpochTally.vector``) says stop: more failed files
     than allowed, or a sample that found no readable file in MAX_REPLACEMENTS tries."""
     return sum(totals[:3]) > allowed_failures(max_fraction, epoch_files) or totals[3] > 0
+
+
+def validation_over_limit(summary: Summary | None, max_fraction: float, split_size: int) -> bool:
+    """Whether one validation pass lost more of the split's samples (``split_size``, all ranks; the
+    samples read when 0) than ``data.max_bad_fraction`` allows: its metrics would leave them out."""
+    if summary is None or not summary.total:
+        return False
+    return summary.total > allowed_failures(max_fraction, split_size or summary.files_read)
 
 
 def vanished_classes(saved: dict, now: dict, source: str, split_dir: str) -> str | None:

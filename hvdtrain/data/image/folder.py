@@ -138,13 +138,20 @@ class CountingLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels, bad in self.loader:
-            dropped = 0 if self.replace_bad else sum(1 for entry in bad if getattr(entry, "own", True))
-            self.note(bad, samples=len(labels) + dropped)
-            if len(images) == 0:
-                continue  # validation batch of bad files only: nothing to evaluate
-            if not isinstance(images, torch.Tensor):  # an EncodedBatch: its bad files show on the device
-                images.replace_bad, images.on_bad = self.replace_bad, self.note
-            yield images, labels
+            batch = self.accept(images, labels, bad)
+            if batch is not None:
+                yield batch
+
+    def accept(self, images, labels: torch.Tensor, bad: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Count one collated batch (its samples and bad-file records); the (images, labels) to use,
+        or None for a validation batch of bad files only (nothing to evaluate)."""
+        dropped = 0 if self.replace_bad else sum(1 for entry in bad if getattr(entry, "own", True))
+        self.note(bad, samples=len(labels) + dropped)
+        if len(images) == 0:
+            return None
+        if not isinstance(images, torch.Tensor):  # an EncodedBatch: its bad files show on the device
+            images.replace_bad, images.on_bad = self.replace_bad, self.note
+        return images, labels
 
     def note(self, bad: list[str], samples: int = 0) -> None:
         """Count a batch of ``samples`` and its bad-file records (also the device decoder's, after

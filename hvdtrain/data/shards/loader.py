@@ -37,13 +37,15 @@ Undecodable records: in training, replaced by the first decodable record of the 
 that record's label and the bad record's augmentation seed), so batches keep their size; in
 validation, dropped. Either way named, counted (``bad_files``), or fatal with
 ``data.on_bad_file=fail`` (image_folder.CountingLoader).
+
+Shards that vanish mid-run: read.py (what a worker sends for them) and taking.py (how the ranks
+stop before the step that needs one).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -53,70 +55,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..image.decode import BadImage, Transform
 from ..image.resolution import RESOLUTION
 from ..files.index import DataError
-from ..files.bad_files import BadFileError
-from ..image.folder import CountingLoader, collate
+from ..files.bad_files import BadFile, BadFileError
+from ..image.folder import collate
 from ..sampler import sample_seed
-from .tar import TarReader
-from .manifest import IMAGE_EXTENSIONS, Manifest, Split, join, open_binary
+from .manifest import Manifest, Split
 from .order import Segment, buffer_order, part_seed, remaining_sequence, worker_parts
-
-
-# --- where the shards are -------------------------------------------------------------------------
-
-
-# --- the manifest ---------------------------------------------------------------------------------
-
-
-# --- the epoch's order, from counts alone --------------------------------------------------------
-
-
-# --- reading -------------------------------------------------------------------------------------
-
-def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes, int | None]]:
-    """(position, key, image extension, image bytes) of records ``[first, end)`` of one shard; a
-    record's label is its ``.cls`` member. Reads the file front to back, seeking over skipped records."""
-    with open_binary(path) as handle:
-        position, key, image, ext, label = -1, None, None, "", None
-        reader = TarReader(handle)
-        for name, is_file in reader:
-            base = name.rsplit("/", 1)[-1]
-            member_key, _, member_ext = base.partition(".")
-            if member_key != key:
-                if key is not None and first <= position < end:
-                    yield position, key, ext, image if image is not None else b"", label
-                position += 1
-                if position >= end:
-                    return
-                key, image, ext, label = member_key, None, "", None
-            if position < first or not is_file:
-                continue
-            if member_ext.lower() in IMAGE_EXTENSIONS:
-                image, ext = reader.read(), member_ext
-            elif member_ext == "cls":
-                label = int(reader.read().decode().strip())
-        if key is not None and first <= position < end:
-            yield position, key, ext, image if image is not None else b"", label
-
-
-def read_records(root: str, split: Split, ids: np.ndarray, wanted: set[int]) -> Iterator[tuple[int, str, bytes, int]]:
-    """(record id, name for messages, image bytes, label) for the ``wanted`` records among ``ids``
-    (runs of consecutive records per shard, as epoch_sequence makes them), in that order."""
-    if not len(ids):
-        return
-    shards = np.searchsorted(split.offsets, ids, side="right") - 1
-    breaks = np.flatnonzero(np.diff(shards) != 0) + 1
-    for run in np.split(np.arange(len(ids)), breaks):
-        shard = int(shards[run[0]])
-        run_ids = ids[run]
-        if not any(int(i) in wanted for i in run_ids):
-            continue  # all consumed: not even opened
-        base = int(split.offsets[shard])
-        first, end = int(run_ids.min()) - base, int(run_ids.max()) - base + 1
-        name = join(root, split.names[shard])
-        for position, key, _, data, label in shard_records(name, first, end):
-            record = base + position
-            if record in wanted:
-                yield record, f"{name}:{key}", data, -1 if label is None else label
+from .read import ShardFailure, hole, read_records
+from .taking import ShardLoader
 
 
 class ShardStream(IterableDataset):
@@ -268,12 +213,21 @@ class ShardStream(IterableDataset):
                     held[got] = (name, data, label)
                 items.append((record, *held.pop(record)))
             at += size
+            failure = next((data for _, _, data, _ in items if isinstance(data, ShardFailure)), None)
+            if failure is not None and self.training:
+                yield hole(failure)  # nothing after it: the ranks stop before the step that would take it
+                return
             yield collate(self.decode_batch(items))
 
-    def decode_batch(self, items: list[tuple[int, str, bytes, int]]) -> list[tuple[torch.Tensor | None, int, list[str]]]:
+    def decode_batch(self, items: list[tuple[int, str, bytes | ShardFailure, int]]
+                     ) -> list[tuple[torch.Tensor | None, int, list[str]]]:
         out: list[tuple[torch.Tensor | None, int, list[str]]] = []
         bad: list[tuple[int, str]] = []
         for slot, (record, name, data, label) in enumerate(items):
+            if isinstance(data, ShardFailure):  # validation: dropped, counted per record
+                bad.append((slot, BadFile(name, data.reason, data.detail)))
+                out.append((None, label, []))
+                continue
             image, error = self.decode(record, data, label)
             if image is None:
                 bad.append((slot, f"{name} ({error})"))
@@ -311,31 +265,6 @@ class ShardStream(IterableDataset):
             finally:
                 if token is not None:
                     RESOLUTION.reset(token)
-
-
-class ShardLoader(CountingLoader):
-    """CountingLoader over a ShardStream's DataLoader that counts the batches the trainer took
-    (the position a checkpoint records) and prints the stream's notes once, on rank 0."""
-
-    # The engine must not take a batch ahead (engine.DeviceBatches' prefetch): it would count here.
-    counts_taken_batches = True
-
-    def __init__(self, loader, stream: ShardStream, fail: bool):
-        super().__init__(loader, fail)
-        self.stream = stream
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def __iter__(self):
-        for note in self.stream.notes:
-            if self.stream.rank == 0:
-                print(f"hvdtrain: {note}", file=sys.stderr, flush=True)
-        self.stream.notes.clear()
-        self.stream.batches_taken = 0
-        for batch in super().__iter__():
-            self.stream.batches_taken += 1
-            yield batch
 
 
 def shard_loaders(manifest: Manifest, rank: int, world: int, batch: int, train_transform: Transform,
