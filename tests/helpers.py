@@ -159,3 +159,36 @@ def stopped_by_sigterm(launcher: list[str], run_dir: Path, line: str, tmp_path: 
     finally:
         job.kill()
     return job.returncode, "".join(lines) + rest
+
+
+# Runs like python -m hvdtrain; right after global step VANISH_AT_STEP rank 0 deletes VANISH_PATH (a
+# file, or a folder's files) and every rank waits for it, so that no rank reads ahead of the deletion.
+VANISHING = '''
+import os
+import sys
+from pathlib import Path
+
+
+def main():
+    from hvdtrain.comm import dist
+    from hvdtrain.train import trainer
+    from hvdtrain.cli import main as hvdtrain_main
+
+    step, path = int(os.environ["VANISH_AT_STEP"]), Path(os.environ["VANISH_PATH"])
+    after_step = trainer.Trainer.after_step
+
+    def vanishing(self, out, sums, progress):
+        after_step(self, out, sums, progress)
+        if self.run.state.position.step == step:
+            if dist.rank() == 0:
+                for gone in (sorted(path.iterdir()) if path.is_dir() else [path]):
+                    gone.unlink()
+            dist.barrier()
+
+    trainer.Trainer.after_step = vanishing
+    sys.exit(hvdtrain_main(sys.argv[1:]))
+
+
+if __name__ == "__main__":  # loader workers (forkserver) import this file: train only when run
+    main()
+'''

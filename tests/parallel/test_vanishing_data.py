@@ -24,42 +24,10 @@ from hvdtrain.checkpoint import io as checkpoint
 from hvdtrain.data.demo import generate
 from hvdtrain.data.files.index import build_index
 from hvdtrain.data.sampler import ShardedSampler
-from tests.helpers import BIN, DEBUG, PROBE, assert_bitwise_equal, final_states, job_env, launch
+from tests.helpers import BIN, DEBUG, PROBE, VANISHING, assert_bitwise_equal, final_states, job_env, launch
 
 DELETE_AT_STEP = 3  # the files go after the 3rd of epoch 1's 12 steps (192 files / (2 ranks x 8))
 GLOBAL_BATCH = 16
-
-# Runs like python -m hvdtrain, with the class folder's files deleted by rank 0 right after global
-# step VANISH_AT_STEP (all ranks wait for it, so that no rank reads ahead of the deletion).
-VANISHING = '''
-import os
-import sys
-from pathlib import Path
-
-
-def main():
-    from hvdtrain.comm import dist
-    from hvdtrain.train import trainer
-    from hvdtrain.cli import main as hvdtrain_main
-
-    step, folder = int(os.environ["VANISH_AT_STEP"]), Path(os.environ["VANISH_FOLDER"])
-    after_step = trainer.Trainer.after_step
-
-    def vanishing(self, out, sums, progress):
-        after_step(self, out, sums, progress)
-        if self.run.state.position.step == step:
-            if dist.rank() == 0:
-                for path in sorted(folder.iterdir()):
-                    path.unlink()
-            dist.barrier()
-
-    trainer.Trainer.after_step = vanishing
-    sys.exit(hvdtrain_main(sys.argv[1:]))
-
-
-if __name__ == "__main__":  # loader workers (forkserver) import this file: train only when run
-    main()
-'''
 
 
 def scenario(tmp_path: Path) -> tuple[Path, Path, Path, list[str]]:
@@ -74,7 +42,7 @@ def scenario(tmp_path: Path) -> tuple[Path, Path, Path, list[str]]:
 
 
 def vanish_env(folder: Path) -> dict[str, str]:
-    return {"VANISH_AT_STEP": str(DELETE_AT_STEP), "VANISH_FOLDER": str(folder)}
+    return {"VANISH_AT_STEP": str(DELETE_AT_STEP), "VANISH_PATH": str(folder)}
 
 
 def test_files_vanishing_in_epoch_1_stop_both_ranks_at_a_good_step_and_the_rerun_resumes_exactly(tmp_path):
