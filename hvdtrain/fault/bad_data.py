@@ -187,18 +187,27 @@ def note_epoch(run: Run, bad_log: BadFilesLog | None, epoch: int) -> None:
             f"{bad_log.run_totals()}, listed in {bad_log.path}")
 
 
+def save_for_rerun(run: Run, outputs: Any, bad_log: BadFilesLog | None, epoch: int,
+                   summaries: dict[str, Summary | None], audited: bool = False) -> tuple[Any, Any]:
+    """Every rank, before a stop for vanished data: the failed files listed (rank 0's ``bad_log``),
+    the checkpoint a rerun resumes from (it must fit: checkpoint.DiskFull otherwise), and (its path,
+    the list's path) on every rank, for the line each rank says."""
+    if bad_log is not None:
+        for split, summary in summaries.items():
+            bad_log.write(epoch, split, summary)
+    path = save_checkpoint(run, outputs.saver, audited=audited, must=True)
+    path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")  # every rank's line names it
+    return path, (bad_log.path if bad_log is not None else run.run_dir / BAD_FILES)
+
+
 def stop_for_vanished_data(run: Run, outputs: Any, guard: DataGuard, bad_log: BadFilesLog | None,
                            steps: int) -> None:
     """Every rank: the epoch's failed files listed, a checkpoint of the last good step, one line
     from rank 0, then DataVanished (exit code 65)."""
     position = run.state.position
     summary = take_summary(run.loaders.train) or Summary()
-    if bad_log is not None:
-        bad_log.write(position.epoch, "train", summary)
-    path = save_checkpoint(run, outputs.saver, must=True)
-    path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")  # every rank's line names it
+    path, listed = save_for_rerun(run, outputs, bad_log, position.epoch, {"train": summary})
     allowed = allowed_failures(guard.max_fraction, guard.epoch_files)
-    listed = f"{bad_log.path}" if bad_log is not None else f"{run.run_dir / BAD_FILES}"
     where_stopped = (f"Stopped before global step {position.step + 1} (epoch {position.epoch + 1}, step "
                      f"{position.step_in_epoch + 1}/{steps}): the checkpoint of the last good step is {path}, the "
                      f"failed files are listed in {listed}.")
@@ -234,13 +243,8 @@ def check_validation(run: Run, outputs: Any, epoch: int) -> None:
     train = take_summary(run.loaders.train)
     take_summary(loader)
     bad_log = BadFilesLog(run.run_dir) if dist.is_primary() else None
-    if bad_log is not None:
-        bad_log.write(epoch, "train", train)
-        bad_log.write(epoch, "val", summary)
-    path = save_checkpoint(run, outputs.saver, audited=True, must=True)
-    path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")
+    path, listed = save_for_rerun(run, outputs, bad_log, epoch, {"train": train, "val": summary}, audited=True)
     split = run.loaders.val_size or summary.files_read
-    listed = bad_log.path if bad_log is not None else run.run_dir / BAD_FILES
     raise vanished(validation_line(summary, split, max_fraction, epoch, path, listed))
 
 
