@@ -50,7 +50,7 @@ from typing import Any
 from ..config import ConfigError, load_config
 from . import doctor_checks as checks
 from .allreduce import bench, print_bandwidth, run_bench
-from .allreduce_slurm import NotStarted, gloo_rank_env, launch_line, run_srun_bench
+from .allreduce_slurm import NotStarted, gloo_rank_env, launch_line, local_addresses, run_srun_bench
 # The doctor's names, as tests and the CLI know them: the host list and the probe's facts live apart.
 from .doctor_checks import gloo_launcher_hides_env, secrets_note  # noqa: F401
 from .doctor_hosts import (DoctorError, Host, check_host_name, extra_task, parse_hosts, pick_hosts, read_hostfile,  # noqa: F401 (re-exported)
@@ -108,16 +108,13 @@ def local_facts(data_dir: str | None = None, output_dir: str | None = None) -> d
 
 def is_local(name: str) -> bool:
     """True when ``name`` is this machine (horovodrun runs those ranks without ssh, and so do we)."""
-    import psutil
-
     if name in ("localhost", socket.gethostname()):
         return True
     try:
         address = socket.gethostbyname(name)
     except OSError:
         return False
-    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
-    return address in local
+    return address in local_addresses()
 
 
 def ssh_command(host: str, remote: str, port: int | None, identity: str | None, timeout: int) -> list[str]:
