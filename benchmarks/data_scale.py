@@ -32,6 +32,7 @@ decoding). Then, each in a fresh process:
     python benchmarks/data_scale.py --sizes 1.28M,14.2M --sampler-only --runs 3   # the sampler rows alone
     git show HEAD~1:hvdtrain/data/sampler.py > /tmp/sampler_before.py             # ... against an older sampler,
     python benchmarks/data_scale.py --sizes 14.2M --sampler-only --sampler-before /tmp/sampler_before.py  # alternated
+    python benchmarks/data_scale.py --sizes 1.28M,14.2M --first-epoch --workers 4,8 --runs 4   # the first epoch's draw in training
 
 Prints a table and, per row, ``data_scale: {json}``; ``--json FILE`` writes all rows. Timings are
 given as min-max over ``--runs`` runs. Needs free memory for the folder's inodes (about 1 GB at
@@ -54,7 +55,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from proc_memory import PssPeak, descendants, memory  # noqa: E402  (benchmarks/, beside this script)
-from sampler_epoch import child_sampler, measure_sampler, sampler_fields  # noqa: E402  (the same)
+from sampler_epoch import (  # noqa: E402  (the same)
+    child_first_epoch, child_sampler, measure_first_epoch, measure_sampler, sampler_fields)
 
 BIN = Path(sys.executable).parent
 MIB = 1 << 20
@@ -229,7 +231,8 @@ def child_loader(args: argparse.Namespace) -> dict:
             "worker_private": sum(private) / len(private) if private else 0}
 
 
-CHILDREN = {"index": child_index, "broadcast": child_broadcast, "loader": child_loader, "sampler": child_sampler}
+CHILDREN = {"index": child_index, "broadcast": child_broadcast, "loader": child_loader, "sampler": child_sampler,
+            "first-epoch": child_first_epoch}
 
 
 def run_child(kind: str, args: argparse.Namespace, extra: list[str], ranks: int = 1) -> dict:
@@ -334,6 +337,15 @@ def cells(row: dict) -> list[str]:
             opt("sampler_peak", 1 / MIB, 0)]
 
 
+FIRST_EPOCH_COLUMNS = ["N (rank 1 of --ranks)", "workers", "first batch s, drawn at set_epoch", "drawn before",
+                       "wait for the draw s", "draw alone s", "samples"]
+
+
+def first_epoch_cells(row: dict) -> list[str]:
+    return [f"{row['n']:,}", str(row["workers"]), span(row["first_batch_ahead_s"]), span(row["first_batch_drawn_s"]),
+            span(row["draw_wait_s"]), span(row["sampler_draw_s"], 1, 3), f"{row['samples']:,}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10k,128k,1.28M,14.2M")
@@ -345,6 +357,8 @@ def main() -> None:
     parser.add_argument("--sampler-only", action="store_true", help="only the sampler rows (no folder, no index)")
     parser.add_argument("--sampler-before", default="", help="with --sampler-only: a file holding another version of "
                         "hvdtrain/data/sampler.py (git show REV:hvdtrain/data/sampler.py > FILE), run alternately")
+    parser.add_argument("--first-epoch", action="store_true", help="only the first epoch's wait for its draw, "
+                        "in a training loader with --workers workers (no folder, no index)")
     parser.add_argument("--ranks", type=int, default=8, help="ranks the sampler's epoch is split over")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batches", type=int, default=40, help="batches each loader run draws")
@@ -360,9 +374,12 @@ def main() -> None:
     parser.add_argument("--no-scan", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--files", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sampler-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--drawn-before", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sampler_before and not args.sampler_only:
         parser.error("--sampler-before compares samplers alone: add --sampler-only")
+    if args.first_epoch and args.sampler_only:
+        parser.error("--first-epoch and --sampler-only are two separate measurements: choose one")
     if args.child:
         args.workers = int(args.workers.split(",")[0])
         print("child_result: " + json.dumps(CHILDREN[args.child](args)), flush=True)
@@ -373,13 +390,23 @@ def main() -> None:
         parse_count(args.folder_max), parse_count(args.loader_max), parse_count(args.broadcast_max))
     work = Path(tempfile.mkdtemp(prefix="hvdtrain-data-scale-", dir=args.root))
     rows = []
+    shown = [0, *range(len(COLUMNS) - 5, len(COLUMNS))] if args.sampler_only else range(len(COLUMNS))
+    header = FIRST_EPOCH_COLUMNS if args.first_epoch else [COLUMNS[i] for i in shown]
+
+    def measure(n: int) -> list[dict]:
+        if args.first_epoch:
+            return measure_first_epoch(n, args, run_child)
+        return measure_sampler(n, args, run_child) if args.sampler_only else measure_size(n, args, work)
+
+    def show(row: dict) -> list[str]:
+        return first_epoch_cells(row) if args.first_epoch else [cells(row)[i] for i in shown]
+
     try:
-        shown = [0, *range(len(COLUMNS) - 5, len(COLUMNS))] if args.sampler_only else range(len(COLUMNS))
-        print(" | ".join(COLUMNS[i] for i in shown), flush=True)
+        print(" | ".join(header), flush=True)
         for n in sizes:
-            for row in (measure_sampler(n, args, run_child) if args.sampler_only else measure_size(n, args, work)):
+            for row in measure(n):
                 rows.append(row)
-                print(" | ".join(cells(row)[i] for i in shown), flush=True)
+                print(" | ".join(show(row)), flush=True)
                 print("data_scale: " + json.dumps(row), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -7,6 +7,13 @@ first sample), the resident memory each start added, the peak over each epoch ab
 before the sampler (the draw ahead included), the samples drawn, and the share's draw alone.
 ``--sampler-file`` puts another version of ``hvdtrain/data/sampler.py`` in the module's place, to
 compare (``data_scale.py --sampler-only --sampler-before FILE`` alternates the two).
+
+``child_first_epoch`` (``data_scale.py --child first-epoch``) measures what the first epoch's draw
+costs a run as training starts one: ``set_epoch`` (the draw starts on its thread), then ``iter()``
+of a DataLoader with ``--workers`` forkserver workers (their first start, as in training) and its
+first batch. ``--drawn-before`` is the control: the share is drawn, and waited for, before the
+clock starts. The dataset is ``--files`` bare indices (no file list, no decoding), so the two
+differ by the wait for the draw alone (``data_scale.py --first-epoch`` alternates them).
 """
 
 from __future__ import annotations
@@ -68,6 +75,76 @@ def child_sampler(args: argparse.Namespace) -> dict:
             assert len(sampler_module.rank_share(key)) == drawn  # (freed at once)
             draw_s.append(time.perf_counter() - start)
     return {"start_s": starts, "added": added, "peak": peaks, "draw_s": draw_s, "waited_s": waited, "drawn": drawn}
+
+
+class BareIndices:
+    """A map-style dataset of ``n`` items, each its own index: the loader's work without a file list."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def child_first_epoch(args: argparse.Namespace) -> dict:
+    """set_epoch, iter() and the first batch of a training loader over ``args.files`` bare indices
+    with ``args.workers`` workers (see the module's docstring); the share drawn before the clock
+    starts under ``args.drawn_before``."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from hvdtrain.config import DataConfig
+    from hvdtrain.data.loaders import loader_kwargs, shutdown_workers
+    from hvdtrain.data.sampler import IndexedSamples, ShardedSampler
+
+    sampler = ShardedSampler(args.files, args.ranks, 1, seed=0)
+    loader = DataLoader(IndexedSamples(BareIndices(args.files)), batch_size=args.batch, sampler=sampler,
+                        drop_last=True, generator=torch.Generator().manual_seed(0),
+                        **loader_kwargs(DataConfig(workers=args.workers), pin_memory=False))
+    draw_s = None
+    if args.drawn_before:
+        start = time.perf_counter()
+        sampler.set_epoch(0)
+        sampler.index_array()
+        draw_s = time.perf_counter() - start
+    start = time.perf_counter()
+    sampler.set_epoch(0)  # as the trainer does before each epoch (a no-op for a share drawn already)
+    batches = iter(loader)
+    first = next(batches)
+    first_s = time.perf_counter() - start
+    expected = torch.as_tensor(sampler.index_array()[:args.batch])
+    assert torch.equal(first, expected), "the first batch is not the share's first indices"
+    samples = len(first) + sum(len(batch) for _, batch in zip(range(args.batches - 1), batches))
+    shutdown_workers(loader)
+    return {"first_batch_s": first_s, "draw_s": draw_s, "samples": samples, "share": len(sampler),
+            "workers": args.workers}
+
+
+def measure_first_epoch(n: int, args: argparse.Namespace, run_child: Callable[..., dict]) -> list[dict]:
+    """--first-epoch: for each worker count, the first batch with the share drawn at set_epoch (as
+    training draws it) and with the share drawn before (the control), alternated ``args.runs``
+    times; the difference of each pair is the wait for the draw."""
+    rows = []
+    for workers in args.workers:
+        runs: dict[str, list[dict]] = {"at set_epoch": [], "before": []}
+        for run in range(args.runs):
+            order = ["at set_epoch", "before"] if run % 2 == 0 else ["before", "at set_epoch"]
+            for case in order:
+                extra = ["--ranks", str(args.ranks), "--files", str(n), "--workers", str(workers), "--batch",
+                         str(args.batch), "--batches", str(args.batches)] + (["--drawn-before"] if case == "before" else [])
+                runs[case].append(run_child("first-epoch", args, extra))
+        ahead, control = runs["at set_epoch"], runs["before"]
+        rows.append({"n": n, "workers": workers, "synthetic": False, "files": n,
+                     "first_batch_ahead_s": [r["first_batch_s"] for r in ahead],
+                     "first_batch_drawn_s": [r["first_batch_s"] for r in control],
+                     "draw_wait_s": [a["first_batch_s"] - c["first_batch_s"] for a, c in zip(ahead, control)],
+                     "sampler_draw_s": [r["draw_s"] for r in control],
+                     "samples": ahead[-1]["samples"], "share": ahead[-1]["share"]})
+    return rows
 
 
 def sampler_fields(samplers: list[dict]) -> dict:

@@ -57,3 +57,25 @@ def test_sampler_rows_alone_alternate_two_versions(tmp_path):
         assert len(row["sampler_first_start_s"]) == len(row["sampler_next_start_s"]) == 1
         assert len(row["sampler_peak"]) == len(row["sampler_draw_s"]) == 2 and all(p > 0 for p in row["sampler_peak"])
     assert "200,000 (before) | " in done.stdout and "sampler next start s" in done.stdout
+
+
+def test_first_epoch_rows_time_the_draw_as_training_starts_it(tmp_path):
+    # --first-epoch: a training loader (forkserver workers) over bare indices, its first batch with
+    # the share drawn on the sampler's thread from set_epoch and with the share drawn before, in
+    # turn. 200k samples: enough for the draw to go to the thread.
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "200k", "--first-epoch",
+                           "--workers", "0,2", "--runs", "2", "--batch", "8", "--batches", "3", "--root", str(tmp_path),
+                           "--json", str(out)],
+                          cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["n"], r["workers"]) for r in rows] == [(200_000, 0), (200_000, 2)]
+    for row in rows:
+        # Each child checked that its first batch is the share's first 8 indices, then drew 2 more.
+        assert row["share"] == 25_000 and row["samples"] == 24
+        assert len(row["first_batch_ahead_s"]) == len(row["first_batch_drawn_s"]) == len(row["draw_wait_s"]) == 2
+        assert all(s > 0 for s in row["first_batch_ahead_s"] + row["first_batch_drawn_s"] + row["sampler_draw_s"])
+        assert row["draw_wait_s"] == [a - b for a, b in zip(row["first_batch_ahead_s"], row["first_batch_drawn_s"])]
+    assert "wait for the draw s" in done.stdout and "200,000 | 2 | " in done.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("hvdtrain-data-scale-")]  # cleaned up

@@ -170,3 +170,49 @@ def reference_indices(epoch: int) -> list[int]:
     sampler = ListSampler(300_007, 8, 3, seed=1)
     sampler.set_epoch(epoch)
     return sampler.indices()
+
+
+@pytest.mark.parametrize("epoch, step_in_epoch", [(0, 0), (2, 3)])
+def test_the_run_starts_drawing_its_first_epoch_where_it_resumes(monkeypatch, epoch, step_in_epoch):
+    # Static.start calls draw_first_epoch right after resume: the share of the run's position is
+    # drawn on the thread from then on, and the loop's set_epoch for that position takes it
+    # without a second draw (a fresh run, and one resumed at step 3 of epoch 2).
+    from types import SimpleNamespace
+
+    from hvdtrain.train.trainer import draw_first_epoch
+
+    draws = Draws(monkeypatch, delay=0.05)
+    sampler = ShardedSampler(1001, 2, 1, seed=7)
+    position = SimpleNamespace(epoch=epoch, step_in_epoch=step_in_epoch)
+    run = SimpleNamespace(loaders=SimpleNamespace(train_sampler=sampler), state=SimpleNamespace(position=position),
+                          global_batch=16, cfg=SimpleNamespace(train=SimpleNamespace(epochs=4)))
+    draw_first_epoch(run)
+    assert [t.name for t in sampler_threads()] == [f"hvdtrain-sampler-epoch-{epoch}"]
+    sampler.set_epoch(epoch, start=step_in_epoch * 16)
+    assert list(sampler) == reference(1001, 2, 1, epoch, start=step_in_epoch * 16)
+    assert no_thread_left()
+    assert draws.on_main() == [] and [e for _, e in draws.calls] == [epoch, epoch + 1]
+
+
+def test_a_finished_run_draws_nothing(monkeypatch):
+    from types import SimpleNamespace
+
+    from hvdtrain.train.trainer import draw_first_epoch
+
+    draws = Draws(monkeypatch)
+    sampler = ShardedSampler(1001, 2, 1, seed=7)
+    run = SimpleNamespace(loaders=SimpleNamespace(train_sampler=sampler),
+                          state=SimpleNamespace(position=SimpleNamespace(epoch=4, step_in_epoch=0)),
+                          global_batch=16, cfg=SimpleNamespace(train=SimpleNamespace(epochs=4)))
+    draw_first_epoch(run)
+    assert not sampler_threads() and draws.calls == []
+
+
+def test_a_static_run_draws_its_first_epoch_once_resumed(monkeypatch):
+    from hvdtrain.train import trainer
+
+    calls = []
+    monkeypatch.setattr(trainer, "resume", lambda run: calls.append(("resume", run)))
+    monkeypatch.setattr(trainer, "draw_first_epoch", lambda run: calls.append(("draw", run)))
+    trainer.Static().start("the run")
+    assert calls == [("resume", "the run"), ("draw", "the run")]
