@@ -52,6 +52,7 @@ from ..fault import attempts
 from ..comm import dist
 from ..fault.bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from ..config import Config
+from ..data.sampler import ShardedSampler
 from .engine import Epoch
 from ..observe.metrics import MetricSums, last_epoch_records
 from ..fault.preemption import StopRequest
@@ -127,9 +128,10 @@ def draw_first_epoch(run: Run) -> None:
     thread (``ShardedSampler.draw_ahead``): the outputs and the loader's first start then hide
     ``torch.randperm`` (1.2-1.5 s at 14.2M samples on some CPUs), and the loop's ``set_epoch``
     finds the same share drawn or under way. A static run knows its position here; an elastic
-    one only once its state has synced."""
+    one only once its state has synced. Only hvdtrain's sampler draws ahead: a task's own
+    position-keeping stream (the tar shards' ``ShardStream``, say) is left to its ``set_epoch``."""
     sampler, position = run.loaders.train_sampler, run.state.position
-    if sampler is not None and position.epoch < run.cfg.train.epochs:
+    if isinstance(sampler, ShardedSampler) and position.epoch < run.cfg.train.epochs:
         sampler.draw_ahead(sampler.share_key(position.epoch, position.step_in_epoch * run.global_batch))
 
 

@@ -216,3 +216,21 @@ def test_a_static_run_draws_its_first_epoch_once_resumed(monkeypatch):
     monkeypatch.setattr(trainer, "draw_first_epoch", lambda run: calls.append(("draw", run)))
     trainer.Static().start("the run")
     assert calls == [("resume", "the run"), ("draw", "the run")]
+
+
+def test_a_stream_that_keeps_its_own_position_is_left_to_its_set_epoch():
+    # The tar shards' ShardStream (and a task's own stream) is the loaders' train_sampler without
+    # being a ShardedSampler: nothing is drawn ahead for it, and nothing else is asked of it.
+    from types import SimpleNamespace
+
+    from hvdtrain.train.trainer import draw_first_epoch
+
+    class Stream:
+        def set_epoch(self, epoch: int, start: int = 0) -> None:
+            raise AssertionError("draw_first_epoch called the stream")
+
+    run = SimpleNamespace(loaders=SimpleNamespace(train_sampler=Stream()),
+                          state=SimpleNamespace(position=SimpleNamespace(epoch=0, step_in_epoch=0)),
+                          global_batch=16, cfg=SimpleNamespace(train=SimpleNamespace(epochs=4)))
+    draw_first_epoch(run)
+    assert not sampler_threads()
