@@ -92,13 +92,11 @@ class Static:
 
     def start_epoch(self, run: Run, full_steps: int) -> int:
         """The steps of this epoch; the sample position the epoch's order starts from."""
-        position = run.state.position
-        position.samples_in_epoch = position.step_in_epoch * run.global_batch
+        run.state.position.samples_in_epoch = samples_taken(run)
         return full_steps
 
     def advance(self, run: Run) -> None:
-        position = run.state.position
-        position.samples_in_epoch = position.step_in_epoch * run.global_batch
+        run.state.position.samples_in_epoch = samples_taken(run)
 
     def after_step(self, run: Run, sums: MetricSums) -> None:
         pass
@@ -123,6 +121,12 @@ class Static:
         pass
 
 
+def samples_taken(run: Run) -> int:
+    """The samples every rank together has taken in the epoch so far, in a static run: whole global
+    batches (the position the epoch's order goes on from)."""
+    return run.state.position.step_in_epoch * run.global_batch
+
+
 def draw_first_epoch(run: Run) -> None:
     """Start drawing the share of the epoch the run starts in, from its position, on the sampler's
     thread (``ShardedSampler.draw_ahead``): the outputs and the loader's first start then hide
@@ -132,7 +136,7 @@ def draw_first_epoch(run: Run) -> None:
     position-keeping stream (the tar shards' ``ShardStream``, say) is left to its ``set_epoch``."""
     sampler, position = run.loaders.train_sampler, run.state.position
     if isinstance(sampler, ShardedSampler) and position.epoch < run.cfg.train.epochs:
-        sampler.draw_ahead(sampler.share_key(position.epoch, position.step_in_epoch * run.global_batch))
+        sampler.draw_ahead(sampler.share_key(position.epoch, samples_taken(run)))
 
 
 class Trainer:

@@ -172,21 +172,25 @@ def reference_indices(epoch: int) -> list[int]:
     return sampler.indices()
 
 
+def static_run(sampler, epoch: int, step_in_epoch: int = 0, epochs: int = 4):
+    """What draw_first_epoch reads of a run: its train sampler, position, global batch (16), epochs."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(loaders=SimpleNamespace(train_sampler=sampler), global_batch=16,
+                           state=SimpleNamespace(position=SimpleNamespace(epoch=epoch, step_in_epoch=step_in_epoch)),
+                           cfg=SimpleNamespace(train=SimpleNamespace(epochs=epochs)))
+
+
 @pytest.mark.parametrize("epoch, step_in_epoch", [(0, 0), (2, 3)])
 def test_the_run_starts_drawing_its_first_epoch_where_it_resumes(monkeypatch, epoch, step_in_epoch):
     # Static.start calls draw_first_epoch right after resume: the share of the run's position is
     # drawn on the thread from then on, and the loop's set_epoch for that position takes it
     # without a second draw (a fresh run, and one resumed at step 3 of epoch 2).
-    from types import SimpleNamespace
-
     from hvdtrain.train.trainer import draw_first_epoch
 
     draws = Draws(monkeypatch, delay=0.05)
     sampler = ShardedSampler(1001, 2, 1, seed=7)
-    position = SimpleNamespace(epoch=epoch, step_in_epoch=step_in_epoch)
-    run = SimpleNamespace(loaders=SimpleNamespace(train_sampler=sampler), state=SimpleNamespace(position=position),
-                          global_batch=16, cfg=SimpleNamespace(train=SimpleNamespace(epochs=4)))
-    draw_first_epoch(run)
+    draw_first_epoch(static_run(sampler, epoch, step_in_epoch))
     assert [t.name for t in sampler_threads()] == [f"hvdtrain-sampler-epoch-{epoch}"]
     sampler.set_epoch(epoch, start=step_in_epoch * 16)
     assert list(sampler) == reference(1001, 2, 1, epoch, start=step_in_epoch * 16)
@@ -195,16 +199,10 @@ def test_the_run_starts_drawing_its_first_epoch_where_it_resumes(monkeypatch, ep
 
 
 def test_a_finished_run_draws_nothing(monkeypatch):
-    from types import SimpleNamespace
-
     from hvdtrain.train.trainer import draw_first_epoch
 
     draws = Draws(monkeypatch)
-    sampler = ShardedSampler(1001, 2, 1, seed=7)
-    run = SimpleNamespace(loaders=SimpleNamespace(train_sampler=sampler),
-                          state=SimpleNamespace(position=SimpleNamespace(epoch=4, step_in_epoch=0)),
-                          global_batch=16, cfg=SimpleNamespace(train=SimpleNamespace(epochs=4)))
-    draw_first_epoch(run)
+    draw_first_epoch(static_run(ShardedSampler(1001, 2, 1, seed=7), epoch=4))
     assert not sampler_threads() and draws.calls == []
 
 
@@ -221,16 +219,11 @@ def test_a_static_run_draws_its_first_epoch_once_resumed(monkeypatch):
 def test_a_stream_that_keeps_its_own_position_is_left_to_its_set_epoch():
     # The tar shards' ShardStream (and a task's own stream) is the loaders' train_sampler without
     # being a ShardedSampler: nothing is drawn ahead for it, and nothing else is asked of it.
-    from types import SimpleNamespace
-
     from hvdtrain.train.trainer import draw_first_epoch
 
     class Stream:
         def set_epoch(self, epoch: int, start: int = 0) -> None:
             raise AssertionError("draw_first_epoch called the stream")
 
-    run = SimpleNamespace(loaders=SimpleNamespace(train_sampler=Stream()),
-                          state=SimpleNamespace(position=SimpleNamespace(epoch=0, step_in_epoch=0)),
-                          global_batch=16, cfg=SimpleNamespace(train=SimpleNamespace(epochs=4)))
-    draw_first_epoch(run)
+    draw_first_epoch(static_run(Stream(), epoch=0))
     assert not sampler_threads()
