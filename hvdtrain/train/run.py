@@ -30,6 +30,7 @@ from .guard import FiniteGuard
 from ..model.finetune import load_weights
 from ..observe.report import TimelineWindow
 from ..optim.build import LRSchedule
+from ..launch import host_malloc
 from ..launch.placement import place_rank
 from ..observe.rank_logs import WarningTally, host_map
 from .run_folder import prepare_output_dir
@@ -87,6 +88,7 @@ def setup(cfg: Config) -> Run:
     own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
     threads = threads_per_rank(cfg, own_cores)
     torch.set_num_threads(threads)
+    malloc = host_malloc.apply(cfg.runtime.host_malloc, device.type)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.runtime.cudnn_benchmark
     torch.manual_seed(cfg.seed)
@@ -121,6 +123,7 @@ def setup(cfg: Config) -> Run:
     log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
         f"device {device.type}, {threads} threads/rank"
         + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
+        + (f", malloc {malloc}" if malloc else "")
         + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
         + ("; elastic" if elastic else ""))
     if loaders.note:

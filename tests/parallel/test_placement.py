@@ -46,7 +46,7 @@ def test_each_rank_binds_every_thread_to_its_own_cores(kind, tmp_path):
     order = topology_order(HOST_CORES)  # whole physical cores together (hvdtrain/launch/placement.py)
     assert blocks == [tuple(sorted(split_cores(order, rank, 2))) for rank in (0, 1)]
     assert set(blocks[0]).isdisjoint(blocks[1]) and sorted(blocks[0] + blocks[1]) == HOST_CORES
-    assert f"threads/rank on its own {len(blocks[0])} of the host's cores" in result.stdout
+    assert f"threads/rank on its own {len(blocks[0])} of the host's cores, malloc tuned" in result.stdout
 
 
 def test_ranks_bound_by_the_launcher_or_with_affinity_none_stay_where_they_were(tmp_path):
