@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable, Mapping
 
 # mallopt's parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -40,7 +41,7 @@ def wanted(mode: str, device_type: str) -> bool:
     return mode == "tuned" or (mode == "auto" and device_type == "cpu")
 
 
-def environment_choice(env: "os._Environ[str] | dict[str, str]") -> str | None:
+def environment_choice(env: Mapping[str, str]) -> str | None:
     """What in the environment already decides malloc's settings, or None."""
     preload = env.get("LD_PRELOAD", "")
     for name in OTHER_ALLOCATORS:
@@ -52,22 +53,23 @@ def environment_choice(env: "os._Environ[str] | dict[str, str]") -> str | None:
     return named[0] if named else None
 
 
-def glibc_mallopt():
+def glibc_mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt, or None where the C library is another (musl, macOS)."""
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # glibc only
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
         return None
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return None
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt
 
 
-def apply(mode: str, device_type: str, env: "os._Environ[str] | dict[str, str] | None" = None,
-          mallopt=None) -> str | None:
+def apply(mode: str, device_type: str, env: Mapping[str, str] | None = None,
+          mallopt: Callable[[int, int], int] | None = None) -> str | None:
     """Set malloc up for this rank per ``runtime.host_malloc``. Returns the start-up line's words for
     what malloc does, None where the settings were not asked for (``system``, or ``auto`` on a GPU)."""
     if not wanted(mode, device_type):
