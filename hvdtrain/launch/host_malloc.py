@@ -30,6 +30,7 @@ M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_MAX = -4
 TUNED = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
+NAMES = {M_MMAP_MAX: "M_MMAP_MAX", M_TRIM_THRESHOLD: "M_TRIM_THRESHOLD", M_TOP_PAD: "M_TOP_PAD"}
 
 ENV_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                 "MALLOC_ARENA_MAX")
@@ -81,7 +82,7 @@ def apply(mode: str, device_type: str, env: Mapping[str, str] | None = None,
     mallopt = mallopt or glibc_mallopt()
     if mallopt is None:
         return "the C library's defaults (not glibc)"
-    refused = [param for param, value in TUNED.items() if mallopt(param, value) != 1]
+    refused = [NAMES[param] for param, value in TUNED.items() if mallopt(param, value) != 1]
     if refused:
-        return f"{'partly tuned' if len(refused) < len(TUNED) else 'defaults'} (mallopt refused parameters {refused})"
+        return f"{'partly tuned' if len(refused) < len(TUNED) else 'defaults'} (mallopt refused {', '.join(refused)})"
     return "tuned"

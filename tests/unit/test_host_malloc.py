@@ -57,7 +57,7 @@ def test_unrelated_preloads_and_tunables_do_not_count():
 
 def test_a_refusal_is_said():
     said = host_malloc.apply("tuned", "cpu", env={}, mallopt=Recorder(refuse=(host_malloc.M_TOP_PAD,)))
-    assert said.startswith("partly tuned") and str(host_malloc.M_TOP_PAD) in said
+    assert said == "partly tuned (mallopt refused M_TOP_PAD)"
     assert host_malloc.apply("tuned", "cpu", env={}, mallopt=Recorder(answer=0)).startswith("defaults")
 
 
