@@ -7,6 +7,10 @@ The public Python API, for a script run as ``horovodrun -np 2 python my_train.py
     result = hvdtrain.fit(MyTask, {"train": {"epochs": 3}})          # or a YAML path, or key=value
     metrics = hvdtrain.evaluate("runs/x/checkpoints/last.pt")
 
+a DDP script that keeps its own loop changes its imports (hvdtrain/distributed.py)::
+
+    import hvdtrain.distributed as dist   # init_process_group, all_reduce, save, DistributedDataParallel, ...
+
 and what a task of your own is written against (docs/tasks.md): ``Task``, ``DataEnv``, ``Loaders``,
 ``ShardedSampler``, ``SeededSamples``, ``loader_kwargs``. The names load on first use: ``import hvdtrain`` stays light
 (the CLI answers --help without importing torch).

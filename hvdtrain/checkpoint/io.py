@@ -76,7 +76,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(directory)
 
 
-def atomic_save(payload: dict[str, Any], path: Path) -> None:
+def atomic_save(payload: Any, path: Path) -> None:
     """Write ``payload`` to ``path`` so that ``path`` is always either the old or the new file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

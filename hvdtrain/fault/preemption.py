@@ -1,21 +1,29 @@
 """Graceful stop on SIGTERM / SIGUSR1 (what Slurm, Kubernetes and most schedulers send), or on a
 cloud's spot/preemption notice (runtime.preemption_notice; fault/spot.py polls for it on a thread).
 
-The signal handler (or the notice thread) only records the request. At every step boundary the ranks agree on it with
-one tiny allreduce, so a signal that reaches a single rank still stops every rank at the same step,
-and no rank is left waiting in a collective.
+The signal handler (or the notice thread) only records the request. At step boundaries the ranks
+agree on it with one tiny allreduce, so a signal that reaches a single rank still stops every rank
+at the same step, and no rank is left waiting in a collective.
 
-That allreduce can be waited for at the boundary (``agreed``) or one boundary later (``agreed(wait=False)``:
-sent now, read at the next boundary, while the step's gradients are allreduced). The second does not
-stall each step for a round between the ranks (on CPU ranks that round was 11% of a small model's
-step: benchmarks/ddp_port.py), and still gives every rank the same answer at the same boundary; a
-stop then comes one step later.
+That allreduce can be waited for at the boundary (``agreed``), or sent at one boundary and read at a
+later one (``agreed(wait=False)``), while the steps in between run. The second does not stall each
+step for a round between the ranks, and still gives every rank the same answer at the same
+boundary. It is
+sent about every ``AGREE_EVERY_SECONDS`` of training, not at every step: each answer also carries
+the ranks' time since the last one, from which every rank computes the same number of boundaries to
+the next (``StopRequest.every``). Where steps take longer than that, it is every step, read one step
+later; where they take milliseconds, a separate coordination round per step would still cost
+10-29% of the step (the digits model on 2 CPU ranks, benchmarks/stop_agreement.py: 9.82 ms a step
+with the gradients' allreduce alone, 13.07 ms with a stop agreement at every step, 9.87 ms with one
+about every half second). A stop is then seen within about twice that time, a second at most,
+far inside any scheduler's grace period.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from typing import Iterator
 
 import torch
@@ -24,6 +32,10 @@ from ..comm import dist, launcher_env as launcher
 from .spot import NoticeWatcher
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# About how often, in seconds of training, an agreement that is not waited for is sent.
+AGREE_EVERY_SECONDS = 0.5
+# The most boundaries between two such agreements, whatever the steps' speed.
+MOST_BOUNDARIES_BETWEEN = 1000
 
 
 class StopRequest:
@@ -34,6 +46,10 @@ class StopRequest:
         self.before_early: dict = {}  # the process's own handlers while keep_early() holds them
         self.extra: torch.Tensor | None = None  # the sum of what the caller added to the last agreement
         self.in_flight: int | None = None  # the handle of an agreement sent with wait=False, not yet read
+        # Agreements sent with wait=False: one every `every` boundaries (the same on every rank: it is
+        # computed from the summed answers), `since_sent` boundaries since the last, sent at `sent_at`.
+        self.interval_seconds = AGREE_EVERY_SECONDS
+        self.every, self.since_sent, self.sent_at = 1, 0, 0.0
 
     @classmethod
     def for_config(cls, runtime) -> "StopRequest":
@@ -79,20 +95,32 @@ class StopRequest:
         ``extra``: float64 values of this rank summed over ranks in the same allreduce (``self.extra``),
         e.g. the counts of failed files that bad_data.DataGuard stops on.
 
-        ``wait=False`` (no ``extra``): the answer sent at the previous boundary is read, and this
-        boundary's is sent without waiting for it; a stop is seen one boundary later. Every rank must
-        call with the same ``wait`` at the same boundary, and ``settle()`` before the loop does
-        anything else collective that could meet a stop (the end of the steps)."""
-        local = torch.tensor([1.0 if isinstance(self.received, int) else 0.0,
-                              1.0 if isinstance(self.received, str) else 0.0], dtype=torch.float64)
+        ``wait=False`` (no ``extra``): at every ``self.every``-th boundary, the answer sent at the last
+        such boundary is read and this boundary's is sent without waiting for it; at the others,
+        nothing is sent and the answer is False. A stop is seen up to ``2 * every`` boundaries later
+        (``every`` is 1 where steps take ``interval_seconds`` or more). Every rank must call with the
+        same ``wait`` at the same boundary, and ``settle()`` before the loop does anything else
+        collective that could meet a stop (the end of the steps)."""
         if not wait:
             assert extra is None, "counts that decide a stop before the next step cannot wait a step"
+            self.since_sent += 1
+            if self.in_flight is not None and self.since_sent < self.every:
+                return False  # most boundaries of short steps: nothing to build or send
+            timed = self.in_flight is not None  # the time since the last send is all steps
             stop = self.settle()
             if not stop:
-                self.in_flight = dist.allreduce_sum_async(local, name="hvdtrain.stop_request.ahead")
+                now = time.perf_counter()
+                # [signal, notice, milliseconds since the last send, boundaries since it]: integers,
+                # whose float64 sum is exact and therefore the same on every rank.
+                timing = [round((now - self.sent_at) * 1000.0), self.since_sent] if timed else [0, 0]
+                self.in_flight = dist.allreduce_sum_async(
+                    torch.cat([self.local(), torch.tensor(timing, dtype=torch.float64)]),
+                    name="hvdtrain.stop_request.ahead")
+                self.sent_at, self.since_sent = now, 0
             return stop
         if self.settle():
             return True
+        local = self.local()
         if extra is not None:
             local = torch.cat([local, extra.to(torch.float64)])
         summed = dist.allreduce_sum(local, name="hvdtrain.stop_request" if extra is None else "hvdtrain.stop_request+")
@@ -104,8 +132,18 @@ class StopRequest:
         if self.in_flight is None:
             return False
         handle, self.in_flight = self.in_flight, None
-        self.everywhere = dist.wait(handle)
+        summed = dist.wait(handle)
+        self.everywhere = summed[:2]
+        milliseconds, boundaries = float(summed[2]), float(summed[3])
+        if boundaries > 0:  # every rank computes the same interval from the same sums
+            self.every = int(max(1.0, min(float(MOST_BOUNDARIES_BETWEEN),
+                                          self.interval_seconds * 1000.0 * boundaries // max(milliseconds, 1.0))))
         return bool(self.everywhere.sum() > 0)
+
+    def local(self) -> torch.Tensor:
+        """This rank's part of an agreement: [a stop signal received, a notice seen]."""
+        return torch.tensor([1.0 if isinstance(self.received, int) else 0.0,
+                             1.0 if isinstance(self.received, str) else 0.0], dtype=torch.float64)
 
     def reason(self) -> str:
         if isinstance(self.received, str):

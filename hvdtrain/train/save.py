@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from ..checkpoint import io as checkpoint
 from ..comm import dist
@@ -79,8 +80,12 @@ def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best:
             path = saver.save(payload, is_best)
         except checkpoint.DiskFull as error:
             problem = error.strerror
-    # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place.
-    problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.io.saved")
+    # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place. One
+    # small broadcast says whether it failed (each collective is a round between the ranks); the
+    # reason follows only then.
+    failed = dist.broadcast(torch.tensor([1 if problem else 0], dtype=torch.int32), name="hvdtrain.checkpoint.io.saved")
+    if int(failed[0]):
+        problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.io.problem")
     if problem:
         if must:
             raise DiskFull(f"hvdtrain: {problem}", speak=dist.is_primary())

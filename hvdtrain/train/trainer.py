@@ -21,7 +21,8 @@
                 the tracker's step point; watchdog.beat(); timeline window
               a stop signal on any rank, or failed training files past data.max_bad_fraction
                 (bad_data.DataGuard; counted one step ahead), agreed at the step boundary, ends the epoch
-                (without a data guard, in static runs, the answer is read one boundary later: no wait per step)
+                (without a data guard, in static runs, it is sent about every 0.5 s of steps and read at
+                the next such boundary: no wait and no round per step; fault/preemption.py)
             data vanished? stop_for_vanished_data: checkpoint of the last good step, raise DataVanished (65)
             stopped? stop_for_preemption: checkpoint (every rank), raise Preempted (exit 75)
               (a mid-epoch checkpoint keeps the epoch's training sums so far: Static.sums_so_far;
@@ -165,9 +166,10 @@ class Trainer:
             self.stop.release_early()
             raise
         self.data_guard = DataGuard.for_run(run)
-        # Between steps, a stop is agreed without waiting (one step late), except where a step's
-        # files must be judged before it trains (the data guard) or a reset may come between two
-        # boundaries (elastic: an answer in flight would not survive Horovod's re-initialization).
+        # Between steps, a stop is agreed without waiting (sent about every 0.5 s of steps, read at the
+        # next such boundary: fault/preemption.py), except where a step's files must be judged before
+        # it trains (the data guard) or a reset may come between two boundaries (elastic: an answer
+        # in flight would not survive Horovod's re-initialization).
         self.stop_waits = self.data_guard is not None or not isinstance(membership, Static)
         self.bad_log = BadFilesLog(run.run_dir) if self.data_guard is not None and dist.is_primary() else None
         if run.start_epoch >= cfg.train.epochs:

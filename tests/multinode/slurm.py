@@ -103,6 +103,9 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
             "SchedulerType=sched/builtin",
+            # The main scheduling pass, which starts a requeued job once its hold is over, comes every
+            # 60 s by default: a requeue test waited up to a minute for it. Every 2 s here.
+            "SchedulerParameters=sched_interval=2",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "MpiDefault=none",

@@ -83,14 +83,33 @@ def test_the_port_matches_ddp_resumes_exactly_and_says_when_it_had_finished(tmp_
     assert [r["loss"] for r in read_metrics(stopped) if r["split"] == "val"][-1] == val[-1]["loss"]
 
 
-def test_the_benchmark_runs_both_and_counts_their_work(tmp_path):
+def test_the_benchmark_runs_every_contender_and_counts_their_work(tmp_path):
     result = subprocess.run([str(BIN / "python"), str(REPO / "benchmarks" / "ddp_port.py"), "--pairs", "1",
                              "--epochs", "2", "--out", str(tmp_path)], cwd=tmp_path, env=job_env(tmp_path),
                             capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "ddp_port.json").read_text())
-    ddp, hvd = summary["runs"]["ddp"][0], summary["runs"]["hvdtrain"][0]
-    assert ddp["epochs"] == hvd["epochs"] == 2
+    ddp, hvd, own = (summary["runs"][name][0] for name in ("ddp", "hvdtrain", "own-loop"))
+    assert ddp["epochs"] == hvd["epochs"] == own["epochs"] == 2
     assert hvd["train_samples"] == 2 * 22 * 64  # 1437 samples: 22 full global batches of 64 per epoch
     assert ddp["val_accuracy"] > 50 and hvd["val_accuracy"] > 50
-    assert "hvdtrain / ddp = " in result.stdout
+    assert own["val_accuracy"] == pytest.approx(ddp["val_accuracy"], abs=0.6)  # the same loop on Horovod
+    assert "hvdtrain / ddp = " in result.stdout and "own-loop / ddp = " in result.stdout
+
+
+def test_the_stop_agreement_benchmark_runs_every_contender_and_counts_the_agreements(tmp_path):
+    """benchmarks/stop_agreement.py: every contender trains its steps; every-step sends one agreement
+    per timed step, hvdtrain's interval far fewer (a step of milliseconds: one per ~0.5 s)."""
+    result = subprocess.run([str(BIN / "python"), str(REPO / "benchmarks" / "stop_agreement.py"), "--rounds", "1",
+                             "--steps", "120", "--bind", "rank", "--contenders", "none,every-step,hvdtrain,ddp",
+                             "--out", str(tmp_path)], cwd=tmp_path,
+                            env=job_env(tmp_path), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "stop_agreement.json").read_text())
+    runs = summary["runs"]
+    assert sorted(runs) == ["ddp", "every-step", "hvdtrain", "none"] and summary["bind"] == "rank"  # sparse: hvdtrain's path
+    assert all(contender[0]["steps"] == 120 and contender[0]["ms_per_step"] > 0 for contender in runs.values())
+    assert runs["every-step"][0]["agreements"] == 120
+    assert 1 <= runs["hvdtrain"][0]["agreements"] <= 60
+    assert runs["none"][0]["agreements"] == runs["ddp"][0]["agreements"] == 0
+    assert "paired ratio to none" in result.stdout

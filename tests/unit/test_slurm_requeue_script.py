@@ -12,17 +12,19 @@ from pathlib import Path
 from hvdtrain.fault.attempts import exit_of, job_identity
 
 REQUEUE = Path(__file__).resolve().parents[2] / "hostfiles" / "slurm" / "requeue.sh"
-# Exits with $CODE, or with 75 once it gets SIGUSR1 (as the ranks do after their checkpoint).
+# Exits with $CODE after $TICKS tenths of a second, or with 75 once it gets SIGUSR1 (as the ranks do
+# after their checkpoint).
 COMMAND = "trap 'echo got USR1 >> \"$LOG\"; exit 75' USR1; echo started >> \"$LOG\"; " \
-          "for i in $(seq 1 100); do sleep 0.1; done; exit $CODE"
+          "for i in $(seq 1 $TICKS); do sleep 0.1; done; exit $CODE"
 
 
-def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | None = None) -> subprocess.Popen:
+def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | None = None,
+          ticks: int = 100) -> subprocess.Popen:
     scontrol = tmp_path / "scontrol"
     scontrol.write_text('#!/bin/sh\necho "scontrol $*" >> "$LOG"\n')
     scontrol.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "LOG": str(tmp_path / "log"),
-           "CODE": str(code)}
+           "CODE": str(code), "TICKS": str(ticks)}
     if restarts is not None:
         env["SLURM_RESTART_COUNT"] = str(restarts)
     if most is not None:
@@ -53,14 +55,14 @@ def test_a_stop_signal_reaches_the_command_and_a_75_requeues_the_job(tmp_path):
 def test_other_codes_are_not_requeued_and_are_the_jobs_own(tmp_path):
     for code in (0, 1, 2, 74):
         (tmp_path / "log").unlink(missing_ok=True)
-        shell = start(tmp_path, code=code)
+        shell = start(tmp_path, code=code, ticks=1)  # no signal comes: end at once
         shell.communicate(timeout=30)
         assert shell.returncode == code
         assert not any(line.startswith("scontrol") for line in log(tmp_path)), (code, log(tmp_path))
 
 
 def test_the_requeues_are_capped(tmp_path):
-    shell = start(tmp_path, code=75, restarts=3, most=3)
+    shell = start(tmp_path, code=75, restarts=3, most=3, ticks=1)
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 75
     assert not any(line.startswith("scontrol") for line in log(tmp_path))

@@ -1,6 +1,6 @@
-"""The ranks' agreement on a stop, waited for at a boundary or read one boundary later
+"""The ranks' agreement on a stop, waited for at a boundary or read at a later one
 (preemption.StopRequest.agreed): two ranks simulated in one process, over a fake allreduce that
-sums what both sent as their n-th operation."""
+sums what both sent as their n-th operation, and a fake clock for the time between boundaries."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hvdtrain.comm import dist
+from hvdtrain.fault import preemption
 from hvdtrain.fault.preemption import StopRequest
 
 
@@ -39,6 +40,21 @@ class TwoRanks:
         return self.read(self.send(tensor, name))
 
 
+def every_step() -> StopRequest:
+    """An agreement at every boundary, read at the next (what steps of interval_seconds or more get)."""
+    stop = StopRequest()
+    stop.interval_seconds = 0.0
+    return stop
+
+
+class Clock:
+    """time.perf_counter for preemption, moved on by the test."""
+
+    def __init__(self, monkeypatch):
+        self.now = 100.0
+        monkeypatch.setattr(preemption.time, "perf_counter", lambda: self.now)
+
+
 def boundary(ranks: TwoRanks, stops: list[StopRequest], wait: bool) -> list[bool]:
     """Both ranks at one step boundary; the second rank's blocking send completes the first's."""
     if not wait:
@@ -54,14 +70,13 @@ def boundary(ranks: TwoRanks, stops: list[StopRequest], wait: bool) -> list[bool
         if stop.settle():
             handles.append(None)
             continue
-        local = torch.tensor([1.0 if stop.received else 0.0, 0.0], dtype=torch.float64)
-        handles.append(ranks.send(local, "x"))
+        handles.append(ranks.send(stop.local(), "x"))
     return [handle is None or bool(ranks.read(handle).sum() > 0) for handle in handles]
 
 
 def test_a_signal_on_one_rank_stops_both_at_the_same_boundary_one_later_than_a_wait_would(monkeypatch):
     ranks = TwoRanks(monkeypatch)
-    stops = [StopRequest(), StopRequest()]
+    stops = [every_step(), every_step()]
     assert boundary(ranks, stops, wait=False) == [False, False]  # nothing in flight yet
     assert boundary(ranks, stops, wait=False) == [False, False]
     stops[1].received = signal.SIGTERM  # during the next step, on rank 1 only
@@ -74,7 +89,7 @@ def test_a_signal_on_one_rank_stops_both_at_the_same_boundary_one_later_than_a_w
 
 def test_settle_reads_what_is_in_flight_and_a_waiting_agreement_reads_it_first(monkeypatch):
     ranks = TwoRanks(monkeypatch)
-    stops = [StopRequest(), StopRequest()]
+    stops = [every_step(), every_step()]
     boundary(ranks, stops, wait=False)
     stops[0].received = signal.SIGUSR1
     boundary(ranks, stops, wait=False)  # rank 0's stop is in flight
@@ -104,3 +119,60 @@ def test_a_waiting_agreement_with_an_answer_in_flight_that_says_stop_sends_nothi
     ranks.current = 0
     assert stop.agreed() is True
     assert ranks.blocking_calls == 0 and len(ranks.sent[0]) == 1
+
+
+def test_fast_steps_agree_every_half_second_of_steps_and_a_stop_is_still_seen_by_both_at_once(monkeypatch):
+    """Steps of 10 ms on one rank and 30 ms on the other: the ranks time the steps between two
+    agreements, sum those times in the agreement itself and compute the same interval, 0.5 s / 20 ms
+    = 25 boundaries; nothing is sent in between, and a signal on one rank still stops both at the
+    same boundary."""
+    ranks, clock = TwoRanks(monkeypatch), Clock(monkeypatch)
+    stops = [StopRequest(), StopRequest()]
+    step_seconds = [0.010, 0.030]
+
+    def steps(count: int) -> list[list[bool]]:
+        answers = []
+        for _ in range(count):
+            answers.append([])
+            for rank, stop in enumerate(stops):  # both at the same boundary, each after its own step
+                ranks.current = rank
+                clock.now += step_seconds[rank] / 2  # the fake clock is shared: half each
+                answers[-1].append(stop.agreed(wait=False))
+        return answers
+
+    steps(3)  # sent untimed at the first; read and sent timed at the second; read at the third
+    assert [stop.every for stop in stops] == [25, 25]
+    sent = len(ranks.sent[0])
+    assert steps(24) == [[False, False]] * 24 and len(ranks.sent[0]) == sent  # no round in between
+    assert steps(1) == [[False, False]] and len(ranks.sent[0]) == sent + 1   # the 25th boundary
+    stops[0].received = signal.SIGTERM
+    answers = steps(60)
+    first = answers.index([True, True])
+    assert answers[:first] == [[False, False]] * first and 24 <= first <= 49  # within two intervals
+    assert stops[1].reason() == "a stop signal sent to another rank"
+
+
+def test_the_interval_follows_the_steps_speed_and_never_exceeds_its_bounds(monkeypatch):
+    ranks, clock = TwoRanks(monkeypatch), Clock(monkeypatch)
+    stops = [StopRequest(), StopRequest()]
+
+    def run(step_seconds: float, count: int) -> list[int]:
+        for _ in range(count):
+            for rank, stop in enumerate(stops):
+                ranks.current = rank
+                clock.now += step_seconds / 2
+                stop.agreed(wait=False)
+        return [stop.every for stop in stops]
+
+    assert run(2.0, 3) == [1, 1]        # steps longer than the interval: every boundary, as before
+    assert run(0.1, 6) == [5, 5]        # the next read measures the faster steps
+    assert run(0.0, 20) == [preemption.MOST_BOUNDARIES_BETWEEN] * 2  # a clock that does not move (read twice)
+    for stop in stops:  # the end of an epoch's steps, and a long validation
+        ranks.current = stops.index(stop)
+        stop.settle()
+    clock.now += 60.0
+    run(0.1, 1)  # the first send of an epoch is untimed: the 60 s between epochs do not count
+    for rank, stop in enumerate(stops):
+        ranks.current = rank
+        stop.settle()  # timed, 60 s for one boundary would have made it every boundary
+    assert [stop.every for stop in stops] == [preemption.MOST_BOUNDARIES_BETWEEN] * 2
