@@ -39,6 +39,13 @@ def cause() -> str:
     return _cause[0]
 
 
+# How long a rank other than 0 waits before it prints an error or a traceback that every rank may
+# hit alike: rank 0 prints it, exits, and the launcher ends the others within this time. 3 s was
+# not always enough on a loaded 2-core machine (rank 0 started its error 3 s after rank 1 there);
+# a rank that alone failed says so this much later.
+PEER_PAUSE_SECONDS = 10.0
+
+
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix: reported in one line, without a traceback.
 
@@ -58,7 +65,7 @@ def report_error(error: Exception) -> int:
     """
     rank = launcher.rank()
     if rank != 0:
-        time.sleep(3)
+        time.sleep(PEER_PAUSE_SECONDS)
         print(f"hvdtrain: error on rank {rank} ({socket.gethostname()}): {error}", file=sys.stderr, flush=True)
     else:
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
@@ -81,7 +88,7 @@ def crash_cause(error: BaseException) -> None:
     that a traceback every rank hits alike shows once (the launcher ends them when rank 0 exits)."""
     note_cause(f"{type(error).__name__}: {error}".splitlines()[0])
     if launcher.size() > 1 and launcher.rank() != 0:
-        time.sleep(3)
+        time.sleep(PEER_PAUSE_SECONDS)
 
 
 def write_exit_record(code: int) -> None:
