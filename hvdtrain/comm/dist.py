@@ -159,26 +159,30 @@ def version() -> str:
     return horovod.__version__
 
 
-# How long a quiet wait sleeps between two looks at an operation in flight.
+# How long a quiet wait sleeps between two looks at an operation in flight, and for how long it looks.
 QUIET_POLL_SECONDS = 0.0001
+QUIET_POLL_LIMIT_SECONDS = 0.05
 
 
 def wait_quietly(handles: Iterable[Any]) -> None:
-    """Sleep until Horovod has finished the operations behind ``handles`` (its integer handles;
-    others are skipped), looking every ``QUIET_POLL_SECONDS``.
+    """Sleep in short naps until Horovod has finished the operations behind ``handles`` (its
+    integer handles; others are skipped), looking every ``QUIET_POLL_SECONDS`` for at most
+    ``QUIET_POLL_LIMIT_SECONDS`` in all; the caller's ``hvd.synchronize`` then waits for the rest.
 
-    Horovod's own wait (``hvd.synchronize``, and through it ``hvd.allreduce`` and the
-    DistributedOptimizer's ``synchronize``) spins: it yields the core and takes the GIL back in a
-    loop until the handle is done. Meanwhile the work it waits for runs on Horovod's background
-    thread and Gloo's threads, on the same cores: where a rank's threads are bound to one core, the
-    spinning thread takes turns with the very threads it waits for. The digits model on 2 CPU ranks,
-    each bound to a core (``benchmarks/stop_agreement.py --bind rank``, medians of 3): 11.77 ms a
-    step waiting Horovod's way, 10.03 ms waiting quietly; unbound, 9.87 and 8.94 (DDP: 8.93). A look
-    every 0.1 ms costs a step at most that much."""
+    The work waited for runs on Horovod's background thread and Gloo's threads, on the same cores
+    as the waiting thread. The digits model on 2 CPU ranks, each bound to a core
+    (``benchmarks/stop_agreement.py --bind rank``, medians of 3): 11.77 ms a step with Horovod's
+    own wait, 10.03 ms looking every 0.1 ms; unbound, 9.87 and 8.94 (DDP: 8.93). The looks cost CPU
+    (about 10% of a core while they go on), so a long wait, for a late rank, is Horovod's own: with
+    patch item 2 it sleeps on a condition variable (tests/parallel/test_observability.py: rank 0's
+    thread used 0.30-0.33 s of CPU in a 3 s wait when the looks had no limit)."""
+    deadline = time.perf_counter() + QUIET_POLL_LIMIT_SECONDS
     for handle in handles:
         if not isinstance(handle, int):
             continue
         while not hvd.poll(handle):
+            if time.perf_counter() > deadline:
+                return
             time.sleep(QUIET_POLL_SECONDS)
 
 
@@ -329,9 +333,9 @@ def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
 
 def synchronize(optimizer: torch.optim.Optimizer, quiet: bool = True) -> None:
     """Wait for the gradient allreduce of a distributed optimizer (nothing for a plain optimizer).
-    ``quiet``: sleep while the allreduces in flight finish (``wait_quietly``) rather than spin in
-    Horovod's wait; then Horovod's ``synchronize`` finds them done (and starts, and waits for,
-    those of parameters that got no gradient)."""
+    ``quiet``: nap while the allreduces in flight finish (``wait_quietly``) before Horovod's own
+    wait; Horovod's ``synchronize`` then finds them done (and starts, and waits for, those of
+    parameters that got no gradient)."""
     if is_distributed(optimizer):
         if quiet:
             # DistributedOptimizer._handles: parameter (or group) -> (handle, context); None until sent.

@@ -76,8 +76,8 @@ def optimizer_step(state: RunState, settings: StepSettings, clock: StepClock = N
     what Horovod's own ``step()`` does, with the wait made visible to ``clock``.)
     """
     optimizer, scaler, guard = state.optimizer, state.scaler, settings.guard
-    # CPU: wait asleep, leaving the cores to the threads that reduce (dist.wait_quietly). CUDA keeps
-    # Horovod's spinning wait, not yet measured against it on a GPU.
+    # CPU: wait in short naps, then asleep (dist.wait_quietly). CUDA keeps Horovod's own wait, not
+    # yet measured against it on a GPU.
     dist.synchronize(optimizer, quiet=settings.device.type == "cpu")
     clock.lap("allreduce")
     if scaler is not None:

@@ -176,3 +176,28 @@ def test_the_interval_follows_the_steps_speed_and_never_exceeds_its_bounds(monke
         ranks.current = rank
         stop.settle()  # timed, 60 s for one boundary would have made it every boundary
     assert [stop.every for stop in stops] == [preemption.MOST_BOUNDARIES_BETWEEN] * 2
+
+
+def test_a_quiet_wait_naps_while_it_is_short_and_leaves_a_long_one_to_horovod(monkeypatch):
+    """dist.wait_quietly looks every 0.1 ms until the operations are done, but for at most
+    QUIET_POLL_LIMIT_SECONDS in all: the caller's hvd.synchronize, which sleeps on a condition
+    variable (patch item 2), waits for the rest, so a late rank costs no CPU."""
+    looks = {7: 0, 8: 0}
+
+    def poll(handle):
+        looks[handle] += 1
+        return handle == 7 and looks[handle] >= 3  # 7 finishes at its third look, 8 never
+
+    clock = {"now": 0.0, "naps": []}
+
+    def nap(seconds):  # a fake clock: each nap takes 15 ms
+        clock["naps"].append(seconds)
+        clock["now"] += 0.015
+
+    monkeypatch.setattr(dist.hvd, "poll", poll)
+    monkeypatch.setattr(dist.time, "sleep", nap)
+    monkeypatch.setattr(dist.time, "perf_counter", lambda: clock["now"])
+    dist.wait_quietly(iter([7, None, 8]))
+    assert looks[7] == 3
+    # 8 was looked at until the 50 ms were spent (the 2 naps for 7 count: 30 ms), then left to Horovod
+    assert clock["naps"] == [dist.QUIET_POLL_SECONDS] * 4 and looks[8] == 3
