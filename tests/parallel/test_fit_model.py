@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,10 +41,23 @@ def port(out, epochs: int = 10) -> list[str]:
     return [str(PORT), "--epochs", str(epochs), "--batch-size", "64", "--out", str(out)]
 
 
+def run_ddp_reference(tmp_path: Path) -> subprocess.CompletedProcess:
+    """The DDP script under torchrun, run again once if a rank aborted in torch's own teardown: seen
+    once in CI, after all 10 epochs, "terminate called without an active exception" (SIGABRT) in
+    rank 1 while rank 0 was still saving; not reproduced in 8 runs beside a CPU hog. The script is
+    the reference here, not the code under test."""
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(DDP), "--epochs", "10",
+               "--snapshot", str(tmp_path / "snapshot.pt")]
+    for _ in range(2):
+        ddp = subprocess.run(command, cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True,
+                             timeout=JOB_TIMEOUT)
+        if ddp.returncode == 0 or "terminate called without an active exception" not in ddp.stderr:
+            break
+    return ddp
+
+
 def test_the_port_matches_ddp_resumes_exactly_and_says_when_it_had_finished(tmp_path):
-    ddp = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(DDP), "--epochs", "10",
-                          "--snapshot", str(tmp_path / "snapshot.pt")], cwd=tmp_path, env=job_env(tmp_path),
-                         capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    ddp = run_ddp_reference(tmp_path)
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
     ddp_val = [(float(loss), float(accuracy)) for loss, accuracy in
                re.findall(r"^epoch \d+ \| val loss ([0-9.]+) \| val accuracy ([0-9.]+)%$", ddp.stdout, re.M)]

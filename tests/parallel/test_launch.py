@@ -60,8 +60,9 @@ def launched_and_stopped(program: list[str], run_dir, line: str, tmp_path) -> tu
 
 def test_a_checkpointed_stop_exits_75_and_the_rerun_finishes(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    program = [str(PROBE), str(tmp_path / "probe"), *tiny(tiny_data, run_dir, "train.epochs=3")]
-    code, output = launched_and_stopped(program, run_dir, "epoch 1/3 ", tmp_path)
+    # 6 epochs: room for the stop agreement (about every 0.5 s of steps) before the run ends.
+    program = [str(PROBE), str(tmp_path / "probe"), *tiny(tiny_data, run_dir, "train.epochs=6")]
+    code, output = launched_and_stopped(program, run_dir, "epoch 1/6 ", tmp_path)
     # probe.py is not the CLI: it leaves with the Preempted code, without a record; the launcher
     # takes the code horovodrun names all the same.
     assert code == 75, output

@@ -14,10 +14,12 @@ import torch
 from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, start_job
 from tests.metadata_server import AWS_TOKEN, metadata_server
 
-# 2 epochs of 4 steps, a checkpoint every 3 steps (3, 4, 6, 8). The watchdog's 45 s without progress
-# is too short on a machine loaded by other jobs; it plays no part here, so it gets room.
+# 4 epochs of 4 steps, a checkpoint every 3 steps and at each epoch's end. 4 epochs, not 2: the
+# ranks agree on a stop about every 0.5 s of steps, read at the latest at an epoch's end, so a notice
+# seen early in the last epoch could stop nothing (the run had finished). The watchdog's 45 s without
+# progress is too short on a machine loaded by other jobs; it plays no part here, so it gets room.
 ARGS = ["--config", "debug", "data.workers=0", "checkpoint.every_steps=3", "checkpoint.keep=100",
-        "train.epochs=2", "dist.timeout_seconds=300"]
+        "train.epochs=4", "dist.timeout_seconds=300"]
 
 
 def args(tiny_data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -36,7 +38,7 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
         job = start_job("horovodrun-gloo", [str(PROBE), str(tmp_path / "probe")] + args(tiny_data, run_dir, *notice),
                         tmp_path)
         try:
-            # The notice appears mid-run: once the step-3 checkpoint exists (5 of 8 steps to go).
+            # The notice appears mid-run: once the step-3 checkpoint exists (13 of 16 steps to go).
             deadline = time.monotonic() + 600
             while not (run_dir / "checkpoints" / "step-00000003.pt").exists():
                 assert job.poll() is None and time.monotonic() < deadline, "the job ended before step 3"
@@ -68,7 +70,7 @@ def test_an_aws_spot_notice_checkpoints_every_rank_and_resume_is_exact(tiny_data
     assert sum(1 for r in requests if r[0] == "PUT") == 2
     assert polls_before >= 2 and all(r[2]["x-aws-ec2-metadata-token"] == AWS_TOKEN for r in requests if r[0] == "GET")
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert 3 <= saved["step"] < 8
+    assert 3 <= saved["step"] < 16
     assert not (tmp_path / "probe").exists()  # the job did not run to the end
 
     # The same command resumes (the endpoint is gone now: one line, and training goes on).
