@@ -85,6 +85,7 @@ def main(args):
             print(f"epoch {epoch + 1} | val loss {val_loss:.4f} | val accuracy {val_accuracy:.2f}%", flush=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs": epoch + 1},
                        args.snapshot)
+    dist.barrier()  # every rank done (rank 0 saving) before the group goes
     dist.destroy_process_group()
 
 
