@@ -13,7 +13,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import all_reduce, destroy_process_group, init_process_group
+from torch.distributed import all_reduce, barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -129,6 +129,7 @@ def main(save_every, total_epochs, batch_size, snapshot_path, lr):
     train_data = prepare_dataloader(dataset, batch_size)
     trainer = Trainer(model, train_data, optimizer, scheduler, save_every, snapshot_path, device)
     trainer.train(total_epochs)
+    barrier()  # every rank done (rank 0 saving) before the group goes
     destroy_process_group()
 
 
