@@ -41,7 +41,7 @@ def cause() -> str:
 
 # How long a rank other than 0 waits before it prints an error or a traceback that every rank may
 # hit alike: rank 0 prints it, exits, and the launcher ends the others within this time. 3 s was
-# not always enough on a loaded 2-core machine (rank 0 started its error 3 s after rank 1 there);
+# not always enough on a loaded 2-core machine (in CI rank 0 had not exited 3 s after rank 1's crash);
 # a rank that alone failed says so this much later.
 PEER_PAUSE_SECONDS = 10.0
 
