@@ -343,8 +343,13 @@ class Watchdog:
         self.own_rank = own_rank
         self.last_beat = time.monotonic()
         self.armed = False
+        self.stopped = threading.Event()
         if timeout > 0:
             threading.Thread(target=self._watch, name="hvdtrain-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        """End the watching thread (the run is over; the process may start another)."""
+        self.stopped.set()
 
     def beat(self) -> None:
         self.last_beat = time.monotonic()
@@ -356,8 +361,7 @@ class Watchdog:
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 4)
         tick = time.monotonic()
-        while True:
-            time.sleep(interval)
+        while not self.stopped.wait(interval):
             now, previous = time.monotonic(), tick
             tick = now
             if now - previous > interval + 5:

@@ -67,16 +67,25 @@ def synchronize(device: torch.device) -> None:
 
 def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
     """Run the benchmark on this rank; every rank returns the same summary."""
+    from ..train.run import release, resume, setup
+
+    run = setup(cfg)
+    try:
+        resume(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
+        return timed_run(run, cfg, warmup_steps, steps, repeats)
+    finally:
+        release(run)
+
+
+def timed_run(run: Any, cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
+    """The benchmark's measurements of a run set up and resumed."""
     from ..comm import dist
     from ..train.builders import compression_for
     from ..data.synthetic import SyntheticBatches
     from ..train.engine import Epoch
     from ..observe.phases import PHASES, epoch_phases
     from ..train.save import audit_ranks
-    from ..train.run import resume, setup
 
-    run = setup(cfg)
-    resume(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
     state, settings = run.state, run.settings
     passes = settings.backward_passes_per_step
     # With ema.decay > 0 the EMA update runs after every optimizer step, as in training; its own time

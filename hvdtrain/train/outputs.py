@@ -22,7 +22,7 @@ from ..fault.bad_data import check_validation
 from ..fault.preemption import StopRequest
 from ..observe.rank_logs import write_host_map
 from ..tasks import metric_direction
-from .run import Run, best_metric_name, is_better, reaches, target_metric_name
+from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
 from .save import DiskFull, audit_ranks, save_checkpoint
 from .stops import Preempted
 
@@ -201,18 +201,16 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
 
 def finish(run: Run, outputs: Iterable[Outputs]) -> None:
     """The end of a training loop (static or elastic), from its ``finally``: the timeline, the
-    statistics, the loader workers and the outputs are closed. After a preemption stop every rank
+    statistics, the loader workers and the outputs are closed, and the run's watchdog and liveness
+    service stopped. After a preemption stop every rank
     then waits for the others: a launcher ends every rank as soon as one exits with an error code,
     and rank 0 must have flushed its logs and sent what its tracker holds by then."""
     if run.timeline is not None:
         run.timeline.close()
-    if run.stats is not None:
-        run.stats.stop()
-    if run.warnings is not None:
-        run.warnings.uninstall()
     shutdown_workers(run.loaders.train, run.loaders.val)
     for out in outputs:
         out.close()
     stop = sys.exc_info()[1]
     if isinstance(stop, Preempted) or getattr(stop, "after_checkpoint", False):  # e.g. bad_data.DataVanished
         dist.barrier()
+    release(run)  # the watchdog last: it still guards the barrier

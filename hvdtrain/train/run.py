@@ -7,6 +7,7 @@ fault/elastic.py both import this module.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -76,71 +77,76 @@ def setup(cfg: Config) -> Run:
     dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
               stall_warning_seconds=cfg.dist.stall_warning_seconds,
               stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
-    liveness, peers = build_peers(elastic)
-    problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
-                                 lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"))
-    if problem:
-        raise ConfigError(problem)
-    log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}")
-    # Other ranks print no warning; each is counted and rank 0 says it once with its count.
-    tally = WarningTally(speak=dist.is_primary()).install()
-    device = pick_device(cfg)
-    own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
-    threads = threads_per_rank(cfg, own_cores)
-    torch.set_num_threads(threads)
-    malloc = host_malloc.apply(cfg.runtime.host_malloc, device.type)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = cfg.runtime.cudnn_benchmark
-    torch.manual_seed(cfg.seed)
+    # What a setup that fails half-way has started is stopped again: a process may start another run.
+    with contextlib.ExitStack() as undo:
+        liveness, peers = build_peers(elastic)
+        undo.callback(liveness.close)
+        problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
+                                     lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"))
+        if problem:
+            raise ConfigError(problem)
+        log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}")
+        # Other ranks print no warning; each is counted and rank 0 says it once with its count.
+        tally = WarningTally(speak=dist.is_primary()).install()
+        undo.callback(tally.uninstall)
+        device = pick_device(cfg)
+        own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
+        threads = threads_per_rank(cfg, own_cores)
+        torch.set_num_threads(threads)
+        malloc = host_malloc.apply(cfg.runtime.host_malloc, device.type)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.runtime.cudnn_benchmark
+        torch.manual_seed(cfg.seed)
 
-    task = build_task(cfg)
-    loaders, steps_per_epoch, global_batch = build_loaders(cfg, task, device)
-    dtype = getattr(torch, cfg.model.dtype)
-    model = build_model(cfg, task, device, dtype)
-    schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
-    amp_dtype, scaler = build_scaler(cfg, device)
-    state = RunState(model, build_optimizer(cfg, model, schedule, device, task), scaler)
-    for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
-        state.register(name, component)
-    if tracking.enabled(cfg):
-        state.register("tracking", tracking.TrackingState())  # the trackers' run ids, carried by checkpoints
-    settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
-                            clip_grad_norm=cfg.optim.clip_grad_norm,
-                            backward_passes_per_step=cfg.train.backward_passes_per_step,
-                            phase_timing=cfg.runtime.phase_timing, prefetch=cfg.runtime.prefetch, seed=cfg.seed,
-                            # A host sync every step costs nothing on a CPU; on a GPU it would stall the queue.
-                            guard=FiniteGuard(device, check_every=1 if device.type == "cpu" else 100,
-                                              max_skipped=cfg.amp.max_skipped_steps))
-    run = Run(cfg=cfg, task=task, state=state, settings=settings, loaders=loaders, steps_per_epoch=steps_per_epoch,
-              global_batch=global_batch, run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
-              watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
-              timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
-              if cfg.runtime.timeline else None,
-              stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
-              if cfg.runtime.stats_interval > 0 else None, warnings=tally)
+        task = build_task(cfg)
+        loaders, steps_per_epoch, global_batch = build_loaders(cfg, task, device)
+        dtype = getattr(torch, cfg.model.dtype)
+        model = build_model(cfg, task, device, dtype)
+        schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
+        amp_dtype, scaler = build_scaler(cfg, device)
+        state = RunState(model, build_optimizer(cfg, model, schedule, device, task), scaler)
+        for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
+            state.register(name, component)
+        if tracking.enabled(cfg):
+            state.register("tracking", tracking.TrackingState())  # the trackers' run ids, carried by checkpoints
+        settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
+                                clip_grad_norm=cfg.optim.clip_grad_norm,
+                                backward_passes_per_step=cfg.train.backward_passes_per_step,
+                                phase_timing=cfg.runtime.phase_timing, prefetch=cfg.runtime.prefetch, seed=cfg.seed,
+                                # A host sync every step costs nothing on a CPU; on a GPU it would stall the queue.
+                                guard=FiniteGuard(device, check_every=1 if device.type == "cpu" else 100,
+                                                  max_skipped=cfg.amp.max_skipped_steps))
+        run = Run(cfg=cfg, task=task, state=state, settings=settings, loaders=loaders, steps_per_epoch=steps_per_epoch,
+                  global_batch=global_batch, run_dir=Path(cfg.output.dir), peers=peers, liveness=liveness,
+                  watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
+                  timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
+                  if cfg.runtime.timeline else None,
+                  stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
+                  if cfg.runtime.stats_interval > 0 else None, warnings=tally)
 
-    world_size, passes = dist.size(), cfg.train.backward_passes_per_step
-    log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
-        f"device {device.type}, {threads} threads/rank"
-        + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
-        + (f", malloc {malloc}" if malloc else "")
-        + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
-        + ("; elastic" if elastic else ""))
-    if loaders.note:
-        log(f"hvdtrain: {loaders.note}")
-    if run.stats is not None and device.type == "cuda" and not run.stats.has_gpu:
-        log("hvdtrain: GPU statistics off: NVML is not available (pip install 'hvdtrain[gpu]' for nvidia-ml-py)")
-    log(f"hvdtrain: {task.describe(loaders)}")
-    given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
-    log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
-        f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
-        f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
-        f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
-        + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
-    if task.name == "image_classification":
-        log(f"hvdtrain: recipe: {recipe_line(cfg, model, schedule)}")
-    add_recipe_state(run)
-    return run
+        world_size, passes = dist.size(), cfg.train.backward_passes_per_step
+        log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
+            f"device {device.type}, {threads} threads/rank"
+            + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
+            + (f", malloc {malloc}" if malloc else "")
+            + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
+            + ("; elastic" if elastic else ""))
+        if loaders.note:
+            log(f"hvdtrain: {loaders.note}")
+        if run.stats is not None and device.type == "cuda" and not run.stats.has_gpu:
+            log("hvdtrain: GPU statistics off: NVML is not available (pip install 'hvdtrain[gpu]' for nvidia-ml-py)")
+        log(f"hvdtrain: {task.describe(loaders)}")
+        given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
+        log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
+            f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
+            f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
+            f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
+            + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
+        if task.name == "image_classification":
+            log(f"hvdtrain: recipe: {recipe_line(cfg, model, schedule)}")
+        add_recipe_state(run)
+        undo.pop_all()  # the run owns them now (release)
+        return run
 
 
 def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> str:
@@ -329,6 +335,19 @@ def reaches(task: Task, value: float, target: float, name: str) -> bool:
     return value >= target if metric_direction(task, name, "train.target_metric") == "max" else value <= target
 
 
+def release(run: Run) -> None:
+    """Stop what a run started beside its loop: the statistics sampler, the warning tally, the
+    watchdog and the liveness service. A process may then start another run (the Python API called
+    twice, a sweep in one process) without the first one's threads."""
+    if run.stats is not None:
+        run.stats.stop()
+    if run.warnings is not None:
+        run.warnings.uninstall()
+    run.watchdog.stop()
+    if run.liveness is not None:
+        run.liveness.close()
+
+
 def where(run: Run) -> str:
     position = run.state.position
     return f"epoch {position.epoch + 1}" + (f", step {position.step_in_epoch}/{run.steps_per_epoch}"
@@ -353,7 +372,4 @@ def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
             model = run.ema.module
         return evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum, model=model)
     finally:
-        if run.stats is not None:
-            run.stats.stop()
-        if run.warnings is not None:
-            run.warnings.uninstall()
+        release(run)

@@ -58,7 +58,7 @@ from .engine import Epoch
 from ..observe.metrics import MetricSums, last_epoch_records
 from ..fault.preemption import StopRequest
 from .outputs import Outputs, end_epoch, finish, stop_for_preemption
-from .run import Run, log, resume, setup
+from .run import Run, log, release, resume, setup
 from .save import audit_ranks, save_checkpoint
 from .stops import lost_rank
 
@@ -161,7 +161,11 @@ class Trainer:
         self.stop.keep_early()  # a stop signal during setup and resume stops the run at its first step
         try:
             run = self.run = setup(cfg)
-            membership.start(run)
+            try:
+                membership.start(run)
+            except BaseException:
+                release(run)
+                raise
         except BaseException:
             self.stop.release_early()
             raise

@@ -180,3 +180,22 @@ def test_a_stopped_process_is_no_answer_and_a_dead_one_is_gone(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_finished_run_leaves_no_watchdog_or_liveness_thread():
+    """A process may start another run after one ends (the Python API called twice, the suite's
+    shared ranks): the run's release stops its watchdog and closes its liveness service."""
+    import threading
+
+    from hvdtrain.fault.watchdog import Watchdog
+
+    before = set(threading.enumerate())
+    service = LivenessService(0, ["127.0.0.1"])
+    watchdog = Watchdog(30, [], 0)
+    started = set(threading.enumerate()) - before
+    assert {thread.name for thread in started} == {"hvdtrain-liveness", "hvdtrain-watchdog"}
+    watchdog.stop()
+    service.close()
+    for thread in started:
+        thread.join(timeout=10)  # each wakes at once: an event, the closed socket
+        assert not thread.is_alive(), thread.name
