@@ -62,3 +62,14 @@ def _remove_module_outputs(tmp_path_factory):
     for path in set(base.iterdir()) - before - _SESSION_DIRS:
         if not path.name.startswith("test_") and path.resolve() not in _SESSION_DIRS:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_sessionfinish(session):
+    from tests import shared_ranks
+
+    session.config._shared_ranks_summary = shared_ranks.stop_all()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for line in getattr(config, "_shared_ranks_summary", []):
+        terminalreporter.write_line(line)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tests import shared_ranks
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROBE = REPO / "tests" / "parallel" / "probe.py"
@@ -52,12 +54,19 @@ def launch_command(kind: str, np_: int, program: list[str]) -> list[str]:
 
 
 def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,
-           check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``program`` (argv after the interpreter) on ``np_`` ranks with a real launcher; ``env``
-    adds variables to the job's environment."""
+           check: bool = True, env: dict[str, str] | None = None, own_launch: bool = False) -> subprocess.CompletedProcess:
+    """Run ``program`` (argv after the interpreter) on ``np_`` ranks of a ``kind`` launcher; ``env``
+    adds variables to the job's environment. The job runs on the shared ranks of that launcher
+    (tests/shared_ranks) where they can stand for a fresh launch; ``own_launch`` launches it for real
+    (a test whose subject is the launch: its processes, signals, placement or output)."""
     cmd = launch_command(kind, np_, program)
-    result = subprocess.run(cmd, cwd=tmp_path, env={**job_env(tmp_path), **(env or {})}, capture_output=True,
-                            text=True, timeout=timeout)
+    job_environment = {**job_env(tmp_path), **(env or {})}
+    result = None
+    if not own_launch and shared_ranks.accepts(kind, np_, program):
+        result = shared_ranks.run(kind, np_, program, tmp_path, job_environment, timeout)
+    if result is None:
+        result = subprocess.run(cmd, cwd=tmp_path, env=job_environment, capture_output=True, text=True,
+                                timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
                              f"\n--- stderr\n{result.stderr[-4000:]}")
