@@ -8,7 +8,7 @@ NP ?= 2
 PYTEST_ARGS ?=
 EXTRAS ?=
 
-.PHONY: setup demo test image test-image test-unit bench clean
+.PHONY: setup demo test test-fast image test-image test-unit bench clean
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (setup.py extras_require, pinned).
 setup:
@@ -35,6 +35,10 @@ test-image: image
 # hvdtrain vs a raw PyTorch loop and DDP, alternating (benchmarks/compare.py; ARGS="--rounds 5" etc.)
 bench: setup
 	$(PY) benchmarks/compare.py $(ARGS)
+
+# The edit-run loop: the unit tests and one launched smoke test (train, checkpoint, resume, compare).
+test-fast: setup
+	$(PY) -m pytest tests/unit tests/parallel/test_smoke.py -m "not slow" $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

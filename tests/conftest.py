@@ -13,6 +13,23 @@ import pytest
 collect_ignore = [] if os.environ.get("HVDTRAIN_TEST_IMAGE") else ["image"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tiers of pytest.ini, by where a test lives: ``pytest -m "not slurm"`` and the like."""
+    for item in items:
+        path = Path(str(item.fspath))
+        folder = path.parent.name
+        if folder == "parallel":
+            item.add_marker("launched")
+        if folder == "multinode":
+            item.add_marker("multinode")
+        if folder == "image":
+            item.add_marker("image")
+        if "slurm" in path.stem:
+            item.add_marker("slurm")
+        if path.stem == "test_ray":
+            item.add_marker("ray")
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """4 classes x 24 training images; 21 validation images (an odd count: uneven shards)."""
