@@ -9,8 +9,14 @@ instruction-set caps as a third axis (``avx2`` runs AVX-512 hardware with AVX2 k
     python benchmarks/seed_spread.py                         # make demo's recipe: seeds 0,1,2 x threads 1,2
     python benchmarks/seed_spread.py --config small_images   # scikit-learn's digits (needs the test extra)
     python benchmarks/seed_spread.py --seeds 0,1,2,3 --threads 1,2 --isa default,avx2 -- optim.base_lr=0.2
+    python benchmarks/seed_spread.py --seeds 0 --threads 1 --min 0 -- train.epochs=2   # the warm-up alone (tests)
 
-Prints one line per run (the final and the best validation metric, the wall time) and then
+A shorter run (``-- train.epochs=2``) trains the same first epochs: the warm-up is a function of
+the epoch alone and the cosine starts after it, so the epochs it runs are the full run's, bit for bit;
+only the final value, and so ``--min``, is the full run's alone.
+
+Prints one line per run (the final and the best validation metric, the highest validation loss
+of any epoch, the wall time) and then
 the minimum, median and maximum of the final values, with a verdict against ``--min`` (every
 run at least this) and ``--max-spread`` (max - min at most this), and the runs as JSON last.
 Exit code 1 when a target is missed or a run failed.
@@ -76,7 +82,7 @@ def run_once(args: argparse.Namespace, seed: int, threads: int, isa: str, out: P
     return {"seed": seed, "threads": threads, "isa": isa, "epochs": len(val),
             "steps": val[-1]["step"], "samples": sum(r["samples"] for r in records if r["split"] == "train"),
             "final": val[-1][metric], "best": max(r[metric] for r in val),
-            "first_val_loss": val[0]["loss"], "seconds": round(seconds, 1)}
+            "first_val_loss": val[0]["loss"], "val_losses": [r["loss"] for r in val], "seconds": round(seconds, 1)}
 
 
 def summary(runs: list[dict], args: argparse.Namespace) -> tuple[str, bool]:
@@ -125,6 +131,7 @@ def main() -> int:
                 else:
                     print(f"seed {seed} threads {threads} isa {isa}: final {args.metric} {result['final']:.2f}, "
                           f"best {result['best']:.2f}, epoch-1 val loss {result['first_val_loss']:.3g}, "
+                          f"highest val loss {max(result['val_losses']):.3g}, "
                           f"{result['epochs']} epochs / {result['steps']} steps / {result['samples']} train samples, "
                           f"{result['seconds']:.0f} s", flush=True)
     line, ok = summary(runs, args)
