@@ -18,7 +18,7 @@ bench, the whole run's CPU time over its wall time); then the runs as JSON.
 
     python benchmarks/gpu/input_pipeline.py --out gpu-results                  # one H100: ResNet-50, AMP, batch 256
     python benchmarks/gpu/input_pipeline.py --device cpu --arch resnet18 --image-size 32 --batch-size 8 \\
-        --images 64 --unique 8 --workers 1 --steps 4 --out /tmp/x              # the same plumbing on a CPU (tests)
+        --images 64 --unique 8 --workers 1 --steps 4 --warmup-steps 1 --out /tmp/x   # the same plumbing on a CPU (tests)
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def main() -> int:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=150, help="training steps per epoch run")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="untimed steps of the raw loop and the bench")
     parser.add_argument("--images", type=int, default=0, help="train files (default: steps x batch)")
     parser.add_argument("--unique", type=int, default=2000, help="distinct photos among them")
     parser.add_argument("--workers", default="4,8,16", help="loader workers of the CPU-pipeline runs")
@@ -157,10 +158,10 @@ def main() -> int:
               "output.tensorboard=false", "train.epochs=1", "optim.warmup_epochs=0"] + \
         (["amp.enabled=true"] if gpu else ["runtime.threads=1"])
     loop = [python, str(REPO / "benchmarks" / "torch_loop.py"), "--arch", args.arch, "--batch-size",
-            str(args.batch_size), "--image-size", str(args.image_size), "--warmup-steps", "10",
+            str(args.batch_size), "--image-size", str(args.image_size), "--warmup-steps", str(args.warmup_steps),
             "--steps", str(args.steps), "--json", str(out / "raw.json")] + (["--amp", "--channels-last"] if gpu else [])
-    bench = [python, "-m", "hvdtrain", "bench", "--warmup-steps", "10", "--steps", str(args.steps), "--repeats", "1",
-             "--json", str(out / "bench.json")] + [c for c in common if not c.startswith(("checkpoint", "output", "train.epochs"))]
+    bench = [python, "-m", "hvdtrain", "bench", "--warmup-steps", str(args.warmup_steps), "--steps", str(args.steps),
+             "--repeats", "1", "--json", str(out / "bench.json")] + [c for c in common if not c.startswith(("checkpoint", "output", "train.epochs"))]
     contenders: list[tuple[str, list[str], Path | None]] = [("raw loop, synthetic", loop, None),
                                                              ("hvdtrain bench, synthetic", bench, None)]
     synthetic = out / "run-synthetic"
