@@ -4,6 +4,7 @@ gradients waited for asleep (hvdtrain's wait on CPU), against DDP.
 
     python benchmarks/stop_agreement.py --rounds 3                  # 600 timed steps per run
     python benchmarks/stop_agreement.py --rounds 3 --bind rank      # each rank's threads on its own core
+    python benchmarks/stop_agreement.py --rounds 1 --steps 30 --warmup-steps 5   # the plumbing alone (tests)
 
 Contenders, each a fresh `horovodrun -np 2 -H localhost:2 --gloo` job (torchrun for ddp), in an
 order that rotates from round to round:
@@ -18,8 +19,8 @@ order that rotates from round to round:
   ddp         torch DistributedDataParallel over Gloo, the same model, batch and optimizer (unbound)
 
 The model is examples/from_ddp's Net (8x8 digits), batch 32 per rank, SGD with momentum, one
-thread per rank, on one synthetic batch; steps are timed after 50 untimed ones. ``--bind rank``
-binds every thread of each Horovod rank to its own core after Horovod starts, as
+thread per rank, on one synthetic batch; steps are timed after 50 untimed ones (``--warmup-steps``).
+``--bind rank`` binds every thread of each Horovod rank to its own core after Horovod starts, as
 ``runtime.cpu_affinity=auto`` does on a CPU host with several ranks (launch/placement.py). Printed
 per run: milliseconds per step on rank 0 and the agreements sent; then each contender's median and
 its paired ratio to `none`. Results go to OUT/stop_agreement.json.
@@ -107,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
         if agree is not None:
             agree.settle()
 
-    steps(50)
+    steps(args.warmup_steps)
     if agree is not None:
         sent[0] = 0  # the timed steps' agreements
     start = time.perf_counter()
@@ -121,7 +122,7 @@ def child(args: argparse.Namespace) -> None:
 
 def run_one(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     me = [str(BIN / "python"), str(Path(__file__).resolve()), "--child", name, "--steps", str(args.steps),
-          "--bind", args.bind]
+          "--warmup-steps", str(args.warmup_steps), "--bind", args.bind]
     if name == "ddp":
         command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", *me[1:]]
     else:
@@ -137,7 +138,8 @@ def run_one(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=600, help="timed steps per run, after 50 untimed")
+    parser.add_argument("--steps", type=int, default=600, help="timed steps per run, after the untimed ones")
+    parser.add_argument("--warmup-steps", type=int, default=50, help="untimed steps before them")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--bind", choices=("none", "rank"), default="none",
                         help="rank: each Horovod rank's threads on its own core (runtime.cpu_affinity=auto)")
@@ -168,8 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in names:
         paired = f", paired ratio to none: median {statistics.median(ratios[name]):.3f}" if name in ratios else ""
         print(f"{name:>11}: median {medians[name]:.2f} ms/step{paired}")
-    result = {"steps": args.steps, "rounds": args.rounds, "bind": args.bind, "runs": runs, "median_ms": medians,
-              "paired_ratios_to_none": ratios}
+    result = {"steps": args.steps, "warmup_steps": args.warmup_steps, "rounds": args.rounds, "bind": args.bind,
+              "runs": runs, "median_ms": medians, "paired_ratios_to_none": ratios}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "stop_agreement.json").write_text(json.dumps(result, indent=2))
