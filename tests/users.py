@@ -1,0 +1,62 @@
+"""A second Unix user for the security tests: the one who plants files in a shared folder.
+
+CI runs as root, so the tests can make a user with ``useradd`` and act as them with ``runuser``;
+elsewhere the tests that need one are skipped with the reason. The user is made on first use and
+deleted when the test session ends. Plain helpers: the test modules make their fixtures of them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+ATTACKER = "sec49b"
+_made: list[str] = []
+
+
+def why_not() -> str | None:
+    """Why no second user can be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (useradd, runuser)"
+    if not (shutil.which("useradd") and shutil.which("runuser")):
+        return "needs useradd and runuser"
+    return None
+
+
+def user(name: str = ATTACKER) -> pwd.struct_passwd:
+    """The user ``name``, made (no home, no login shell) if missing and removed at exit."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", f"/nonexistent/{name}",
+                        "--shell", "/bin/sh", name], check=True, capture_output=True)
+        if not _made:
+            atexit.register(_remove)
+        _made.append(name)
+        return pwd.getpwnam(name)
+
+
+def _remove() -> None:
+    for name in _made:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+def as_user(name: str, script: str, cwd: str | os.PathLike = "/") -> subprocess.CompletedProcess:
+    """Run the shell ``script`` as ``name`` (``sh -c``); raises when it fails."""
+    result = subprocess.run(["runuser", "-u", name, "--", "sh", "-c", script], cwd=cwd, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, f"as {name}: {script}\n{result.stderr}"
+    return result
+
+
+def scratch() -> Path:
+    """A folder everyone may write, like /tmp or a scratch file system (mode 1777), under /tmp (a
+    test's own tmp_path is private to root); the caller removes it."""
+    path = Path(tempfile.mkdtemp(prefix="sec49-scratch-", dir="/tmp"))
+    path.chmod(0o1777)
+    return path
