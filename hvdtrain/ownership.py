@@ -22,9 +22,9 @@ On a shared cluster other users can write to scratch folders (``chmod 1777``) an
   ``trust_problem``).
 
 Private by default: folders are made 0700 and files 0600; ``share="group"`` gives the group read
-access (0750, 0640), within the user's umask; ``share="umask"`` leaves the modes to the umask alone
-(what the user publishes on purpose: prepared shards). Only ``"group"`` lets the group write the
-folders on the way.
+access (0750, 0640), within the user's umask; ``share="umask"`` lets everyone read what the umask
+allows (0755, 0644 within it: what the user publishes on purpose, such as prepared shards). Only
+``"group"`` lets the group write the folders on the way.
 
 Light on purpose (the standard library only): every layer, from the config to the tools, imports it.
 """
@@ -41,8 +41,9 @@ from typing import IO, Callable
 
 PRIVATE, GROUP = "private", "group"
 SHARES = (PRIVATE, GROUP)
-# Modes as a plain create gives them (the umask alone decides): for what the user publishes on
-# purpose, such as prepared shards, and the files a user's own script saves (distributed.save).
+# Readable as the umask allows, writable by the user alone (0755, 0644 within the umask): for what the
+# user publishes on purpose, such as prepared shards, and what a user's own script saves
+# (distributed.save).
 UMASK = "umask"
 
 
@@ -65,12 +66,12 @@ def trusted_owner(uid: int) -> bool:
 
 def folder_mode(share: str = PRIVATE) -> int:
     """The mode hvdtrain gives a folder it makes (the umask may take more away)."""
-    return {GROUP: 0o750, UMASK: 0o777}.get(share, 0o700)
+    return {GROUP: 0o750, UMASK: 0o755}.get(share, 0o700)
 
 
 def file_mode(share: str = PRIVATE) -> int:
     """The mode hvdtrain gives a file it writes (the umask may take more away)."""
-    return {GROUP: 0o640, UMASK: 0o666}.get(share, 0o600)
+    return {GROUP: 0o640, UMASK: 0o644}.get(share, 0o600)
 
 
 def current_umask() -> int:

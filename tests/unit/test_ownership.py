@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.ownership import (GROUP, UnsafePath, folder_problem, open_append, open_trusted, own_folder,
+from hvdtrain.ownership import (GROUP, UMASK, UnsafePath, folder_problem, open_append, open_trusted, own_folder,
                                 trust_problem, write_atomic)
 from tests import users
 
@@ -44,6 +44,12 @@ def test_folders_are_made_private_or_group_readable(tmp_path, umask_022):
     assert [mode(p) for p in (tmp_path / "a", tmp_path / "a" / "b", made)] == [0o700] * 3
     shared = own_folder(tmp_path / "team" / "run", share=GROUP)
     assert mode(shared) == 0o750 and mode(tmp_path / "team") == 0o750
+    published = own_folder(tmp_path / "shards", share=UMASK)  # readable as the umask allows, never writable
+    assert mode(published) == 0o755
+    write_atomic(published / "manifest.json", "{}", share=UMASK)
+    assert mode(published / "manifest.json") == 0o644
+    os.umask(0o002)  # a user-private group's umask: still nobody else writes
+    assert mode(own_folder(tmp_path / "shards2", share=UMASK)) == 0o755
 
 
 def test_an_existing_folder_of_ones_own_is_used_as_it_is(tmp_path, umask_022):
