@@ -56,6 +56,7 @@ from torch.utils.data import Sampler
 
 from . import outcome
 from .checkpoint.io import atomic_save
+from .ownership import UMASK
 from .comm import dist as _hvd
 from .comm.ddp import AveragingWrapper
 from .config import ConfigError
@@ -246,7 +247,8 @@ def save(obj: Any, f: str | os.PathLike | Any) -> None:
     _job.saving = True
     try:
         if isinstance(f, (str, os.PathLike)):
-            atomic_save(obj, Path(f))
+            Path(f).parent.mkdir(parents=True, exist_ok=True)
+            atomic_save(obj, Path(f), share=UMASK)  # readable as the umask allows, as torch.save's file
             _job.last_save = (str(f), time.time())
         else:
             torch.save(obj, f)

@@ -23,6 +23,7 @@ from .comm import launcher_env as launcher
 from .arguments import UsageError
 from .config import ConfigError
 from .data import DataError
+from .ownership import UnsafePath
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 74, 75, 130
 EXIT_DATA_VANISHED = 65
@@ -53,7 +54,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     to name the class would load torch on the way to a one-line usage error.
     """
     checkpoint = sys.modules.get(f"{__package__}.checkpoint.io")
-    return (UsageError, ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
+    return (UsageError, ConfigError, DataError, UnsafePath) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
 
 def report_error(error: Exception) -> int:

@@ -60,3 +60,26 @@ def scratch() -> Path:
     path = Path(tempfile.mkdtemp(prefix="sec49-scratch-", dir="/tmp"))
     path.chmod(0o1777)
     return path
+
+
+# What the attacker plants in a scratch folder for the victim's next run: her run folder (mode 777)
+# with links to the victim's files where hvdtrain writes (format with home=the victim's folder).
+PLANT = ("mkdir -m 777 run && ln -s {home}/.bashrc_test run/config.yaml && ln -s {home}/notes.txt run/metrics.jsonl"
+         " && ln -s {home}/attempts run/attempts.jsonl && ln -s {home}/ranks run/ranks.tsv"
+         " && ln -s {home}/.bashrc_test run/report.png && ln -s {home}/notes.txt run/summary.txt")
+
+
+def victim_home(scratch_folder: Path) -> Path:
+    """The victim's private folder (0700) in ``scratch_folder``, with two files the attacker's links name."""
+    home = scratch_folder / "victim-home"
+    home.mkdir(mode=0o700)
+    (home / ".bashrc_test").write_text("the victim's shell setup\n")
+    (home / "notes.txt").write_text("the victim's notes\n")
+    return home
+
+
+def untouched(home: Path) -> None:
+    """The victim's folder as victim_home made it: no file changed, none added."""
+    assert (home / ".bashrc_test").read_text() == "the victim's shell setup\n"
+    assert (home / "notes.txt").read_text() == "the victim's notes\n"
+    assert sorted(p.name for p in home.iterdir()) == [".bashrc_test", "notes.txt"]

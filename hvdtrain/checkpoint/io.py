@@ -15,12 +15,15 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..ownership import PRIVATE, own_folder, replace_file, sync_folder
 from ..redact import mask_values
 
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
@@ -68,56 +71,43 @@ def no_space(directory: Path, needed: int, keep: int) -> DiskFull:
                     f"output.dir to another file system")
 
 
-def _fsync_dir(path: Path) -> None:
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def atomic_save(payload: Any, path: Path) -> None:
-    """Write ``payload`` to ``path`` so that ``path`` is always either the old or the new file."""
+def atomic_save(payload: Any, path: Path, share: str = PRIVATE) -> None:
+    """Write ``payload`` to ``path`` so that ``path`` is always either the old or the new file: a
+    fresh temporary file (O_EXCL, mode ``file_mode(share)``: never through a planted link), fsynced,
+    renamed (ownership.replace_file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(scratch, "wb") as handle:
-            try:
-                torch.save(payload, handle)
-            except RuntimeError as error:
-                # PyTorch's archive writer reports a write that failed for space as "unexpected
-                # pos ...": a file system left (nearly) full by it says which it was.
-                if shutil.disk_usage(path.parent).free < 2**20:
-                    raise OSError(errno.ENOSPC, f"writing {path} failed: {str(error).splitlines()[0][:200]}") \
-                        from error
-                raise
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(scratch, path)
-    finally:
-        if scratch.exists():
-            scratch.unlink()
-    _fsync_dir(path.parent)
+
+    def write(handle) -> None:
+        try:
+            torch.save(payload, handle)
+        except RuntimeError as error:
+            # PyTorch's archive writer reports a write that failed for space as "unexpected
+            # pos ...": a file system left (nearly) full by it says which it was.
+            if shutil.disk_usage(path.parent).free < 2**20:
+                raise OSError(errno.ENOSPC, f"writing {path} failed: {str(error).splitlines()[0][:200]}") \
+                    from error
+            raise
+
+    replace_file(path, write, share, sync=True)
 
 
 def atomic_link(source: Path, target: Path) -> None:
     """Make ``target`` the same file as ``source`` (hard link, else a copy), atomically."""
-    scratch = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if scratch.exists():
-        scratch.unlink()
+    scratch = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")  # a name nobody could plant
     try:
         try:
             os.link(source, scratch)
         except OSError:
-            shutil.copyfile(source, scratch)
-            with open(scratch, "rb+") as handle:
-                os.fsync(handle.fileno())
+            with open(source, "rb") as original, open(scratch, "xb") as copy:
+                shutil.copyfileobj(original, copy)
+                os.fchmod(copy.fileno(), stat.S_IMODE(os.fstat(original.fileno()).st_mode))
+                copy.flush()
+                os.fsync(copy.fileno())
         os.replace(scratch, target)
     finally:
-        if scratch.exists():
+        if os.path.lexists(scratch):
             scratch.unlink()
-    _fsync_dir(target.parent)
+    sync_folder(target.parent)
 
 
 def numbered(directory: Path) -> list[Path]:
@@ -131,9 +121,9 @@ def numbered(directory: Path) -> list[Path]:
 class CheckpointSaver:
     """Rank 0's writer: numbered files, ``last.pt``, ``best.pt``, and pruning to ``keep``."""
 
-    def __init__(self, directory: Path, keep: int):
+    def __init__(self, directory: Path, keep: int, share: str = PRIVATE):
         self.directory = Path(directory)
-        self.keep = keep
+        self.keep, self.share = keep, share
 
     def save(self, payload: dict[str, Any], is_best: bool) -> Path:
         """Write the checkpoint; ``DiskFull`` (nothing written, nothing lost) when the folder's file
@@ -141,7 +131,8 @@ class CheckpointSaver:
         and the last checkpoint's size, and again on ENOSPC/EDQUOT while writing."""
         if "config" in payload:  # a password in a URL (tracking.mlflow.tracking_uri) is written as ***
             payload = {**payload, "config": mask_values(payload["config"])}
-        self.directory.mkdir(parents=True, exist_ok=True)
+        own_folder(self.directory, self.share, what="checkpoint folder",
+                   fix="set output.dir=/a/folder/of/yours")  # UnsafePath: one line, exit 2
         last = self.directory / "last.pt"
         needed = max(payload_bytes(payload), last.stat().st_size if last.is_file() else 0)
         if shutil.disk_usage(self.directory).free < needed + MARGIN_BYTES:
@@ -156,11 +147,11 @@ class CheckpointSaver:
     def write(self, payload: dict[str, Any], is_best: bool, last: Path) -> Path:
         if self.keep > 0:
             path = self.directory / f"step-{payload['step']:08d}.pt"
-            atomic_save(payload, path)
+            atomic_save(payload, path, self.share)
             atomic_link(path, last)
         else:
             path = last
-            atomic_save(payload, path)
+            atomic_save(payload, path, self.share)
         if is_best:
             atomic_link(path, self.directory / "best.pt")
         for old in numbered(self.directory)[self.keep:]:

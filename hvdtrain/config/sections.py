@@ -281,6 +281,8 @@ class OutputConfig:
     """Progress per epoch on rank 0: a bar on a terminal, a line every 10% when output is piped."""
     tensorboard: bool = True
     """tensorboardX scalars under <output.dir>/tb."""
+    share: Literal["private", "group"] = "private"
+    """Who may read the run folder: private = you alone (folders 0700, files 0600); group = your group too (0750, 0640; within your umask), and a group-writable run folder or project folder above it is accepted. A folder another user owns, or that anyone can write, is never used."""
 
 
 @dataclass

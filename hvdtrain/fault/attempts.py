@@ -29,6 +29,7 @@ from typing import Any
 
 from ..comm import dist
 from .. import outcome
+from ..ownership import PRIVATE, open_append
 
 FILE = "attempts.jsonl"
 JOB_ID_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
@@ -56,10 +57,11 @@ def exit_of(error: BaseException | None) -> tuple[int, str]:
     return outcome.EXIT_CRASH, f"{type(error).__name__}: {line}"
 
 
-def append(run_dir: Path, record: dict[str, Any]) -> None:
+def append(run_dir: Path, record: dict[str, Any], share: str = PRIVATE) -> None:
+    """One line at the end of ``run_dir/attempts.jsonl`` (the folder setup() made and checked), never
+    through a planted link (ownership.open_append)."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with (run_dir / FILE).open("a") as handle:
+        with open_append(run_dir / FILE, share) as handle:
             handle.write(json.dumps(record) + "\n")
     except OSError as error:
         print(f"hvdtrain: warning: writing {FILE} in {run_dir} failed ({error.strerror or error}); "
@@ -70,17 +72,17 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def record_start(run_dir: Path, hosts: list[str], ranks: int, epoch: int, step: int) -> None:
+def record_start(run_dir: Path, hosts: list[str], ranks: int, epoch: int, step: int, share: str = PRIVATE) -> None:
     """Rank 0: the line of this attempt's start (other ranks: nothing)."""
     if dist.is_primary():
         append(run_dir, {"event": "start", "time": now(), **job_identity(),
                          "hosts": sorted(set(hosts)) or [socket.gethostname()], "ranks": ranks,
-                         "epoch": epoch, "step": step})
+                         "epoch": epoch, "step": step}, share)
 
 
-def record_end(run_dir: Path, error: BaseException | None, epoch: int, step: int) -> None:
+def record_end(run_dir: Path, error: BaseException | None, epoch: int, step: int, share: str = PRIVATE) -> None:
     """Rank 0: the line of this attempt's end, ``error`` being what ended the loop (None: finished)."""
     if dist.is_primary():
         code, reason = exit_of(error)
         append(run_dir, {"event": "end", "time": now(), **job_identity(), "exit": code, "reason": reason[:500],
-                         "epoch": epoch, "step": step})
+                         "epoch": epoch, "step": step}, share)

@@ -44,6 +44,7 @@ from ..comm import dist
 from .. import outcome
 from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit, validation_over_limit
 from ..data.image.folder import MAX_REPLACEMENTS
+from ..ownership import PRIVATE, UnsafePath, open_append, own_folder
 from ..train.guard import JobStopped
 from ..train.run import Run, log
 from ..train.save import save_checkpoint
@@ -109,8 +110,8 @@ class BadFilesLog:
     split, reason, path, error), and the run's distinct failed files, read back at a resume. A line
     that does not parse (a write cut short) is skipped; a write that fails warns once."""
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / BAD_FILES
+    def __init__(self, run_dir: Path, share: str = PRIVATE):
+        self.path, self.share = run_dir / BAD_FILES, share
         self.distinct: dict[str, str] = {}  # path -> reason, over the whole run
         self.warned = False
         try:
@@ -137,14 +138,14 @@ class BadFilesLog:
             lines.append(json.dumps({"epoch": epoch, "split": split, "reason": record.reason, "path": record.path,
                                      "error": record.detail}) + "\n")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as handle:
+            own_folder(self.path.parent, self.share, what="output folder")  # made and checked as the run folder is
+            with open_append(self.path, self.share) as handle:  # never through a planted link
                 handle.writelines(lines)
-        except OSError as error:
+        except (OSError, UnsafePath) as error:
             if not self.warned:
                 self.warned = True
-                log(f"hvdtrain: warning: cannot write {self.path} ({error.strerror or error}); the epoch lines "
-                    f"still count the bad files")
+                log(f"hvdtrain: warning: cannot write {self.path} ({getattr(error, 'strerror', None) or error}); the "
+                    f"epoch lines still count the bad files")
 
     def run_totals(self) -> str:
         counts = {reason: 0 for reason in REASONS}
@@ -242,7 +243,7 @@ def check_validation(run: Run, outputs: Any, epoch: int) -> None:
         return
     train = take_summary(run.loaders.train)
     take_summary(loader)
-    bad_log = BadFilesLog(run.run_dir) if dist.is_primary() else None
+    bad_log = BadFilesLog(run.run_dir, run.cfg.output.share) if dist.is_primary() else None
     path, listed = save_for_rerun(run, outputs, bad_log, epoch, {"train": train, "val": summary}, audited=True)
     split = run.loaders.val_size or summary.files_read
     raise vanished(validation_line(summary, split, max_fraction, epoch, path, listed))

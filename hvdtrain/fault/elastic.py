@@ -38,6 +38,7 @@ import torch
 from ..comm import dist
 from ..config import Config, ConfigError
 from ..optim.build import LRSchedule
+from ..ownership import PRIVATE, open_append
 from ..observe.metrics import MetricSums
 from ..train.outputs import Outputs
 from ..train.run import Run, log, resume
@@ -53,8 +54,8 @@ class SampleLog:
     included, and steps rolled back are dropped.
     """
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / "samples.jsonl"
+    def __init__(self, run_dir: Path, share: str = PRIVATE):
+        self.path, self.share = run_dir / "samples.jsonl", share
         self.process = f"{os.environ.get('HOROVOD_HOSTNAME') or socket.gethostname()}:{os.getpid()}"
         self.pending: list[dict[str, Any]] = []
         self.indices: list[int] = []
@@ -76,7 +77,7 @@ class SampleLog:
         gathered = dist.allgather_object(self.pending, name="hvdtrain.fault.elastic.samples")
         self.pending = []
         if dist.is_primary():
-            with self.path.open("a") as handle:
+            with open_append(self.path, self.share) as handle:  # never through a planted link
                 handle.writelines(json.dumps(entry) + "\n" for entries in gathered for entry in entries)
 
     def discard(self) -> None:
@@ -182,7 +183,7 @@ class Elastic:
             f"rolls the job back to its last commit")
         resume(run, broadcast=False)
         self.cfg = cfg
-        self.samples = SampleLog(run.run_dir) if cfg.elastic.sample_log else None
+        self.samples = SampleLog(run.run_dir, cfg.output.share) if cfg.elastic.sample_log else None
         self.state = ElasticState(run.state, len(run.task.sum_fields), self.samples)
         self.outputs: list[Outputs] = []
         self.committed_before = torch.zeros(0)

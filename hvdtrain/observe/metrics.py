@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..ownership import PRIVATE, open_append, own_folder
 from .rank_logs import RANKS_FILE, split_record
 
 
@@ -84,14 +85,17 @@ class MetricsWriter:
     (``by_rank``, every straggler: rank_logs.split_record; rank_logs.read_records joins them) and
     tensorboardX scalars, on rank 0 only."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, share: str = PRIVATE):
         self.path = run_dir / "metrics.jsonl"
         self.ranks_path = run_dir / RANKS_FILE
+        self.share = share
         self.tb = None
         self.lost: dict[str, int] = {}
         if tensorboard:
             SummaryWriter = summary_writer_class()
 
+            # tensorboardX writes its own files: into a folder of this user's that nobody else can write
+            own_folder(run_dir / "tb", share, what="tensorboard folder", fix="set output.dir=/a/folder/of/yours")
             self.tb = SummaryWriter(logdir=str(run_dir / "tb"))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -102,7 +106,7 @@ class MetricsWriter:
             if value is None:
                 continue
             try:
-                with path.open("a") as handle:
+                with open_append(path, self.share) as handle:  # never through a planted link
                     handle.write(json.dumps(value, sort_keys=False) + "\n")
             except OSError as error:
                 self.failed(path.name, error)

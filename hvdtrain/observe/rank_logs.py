@@ -21,6 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..ownership import PRIVATE, write_atomic
+
 RANKS_FILE = "metrics_ranks.jsonl"
 HOST_MAP_FILE = "ranks.tsv"
 STRAGGLERS_SHOWN = 5       # straggler lines per epoch; the rest are counted in one more line
@@ -64,12 +66,13 @@ def host_map(hosts_by_rank: Sequence[tuple[int, str]], shown: int = HOSTS_SHOWN,
     return ", ".join(parts)
 
 
-def write_host_map(run_dir: Path, rows: Sequence[tuple[int, str, int]]) -> Path | None:
-    """Every rank's host and pid, one line each, to ``run_dir/ranks.tsv`` (rank 0). A write that
-    fails costs the file, not the run (the disk-full rule of metrics.jsonl)."""
+def write_host_map(run_dir: Path, rows: Sequence[tuple[int, str, int]], share: str = PRIVATE) -> Path | None:
+    """Every rank's host and pid, one line each, to ``run_dir/ranks.tsv`` (rank 0), replacing the file
+    (never writing through a link: ownership.write_atomic). A write that fails costs the file, not the
+    run (the disk-full rule of metrics.jsonl)."""
     path = run_dir / HOST_MAP_FILE
     try:
-        path.write_text("rank\thost\tpid\n" + "".join(f"{r}\t{h}\t{p}\n" for r, h, p in sorted(rows)))
+        write_atomic(path, "rank\thost\tpid\n" + "".join(f"{r}\t{h}\t{p}\n" for r, h, p in sorted(rows)), share)
     except OSError as error:
         print(f"hvdtrain: warning: writing {path} failed ({error.strerror or error}); training goes on",
               file=sys.stderr, flush=True)

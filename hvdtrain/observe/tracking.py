@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config, ConfigError, flatten, to_dict
+from ..ownership import own_folder
 from ..redact import has_password, mask_values
 from .tracking_sender import STEP_KEY, Sender, first_line
 
@@ -204,11 +205,16 @@ class Tracker:
             return
         self.artifacts += 1
         staged = self.staging / str(self.artifacts) / f"{kind}.pt"
-        staged.parent.mkdir(parents=True, exist_ok=True)
+        # In the checked run folder, held to its rule (hvdtrain/ownership.py); a name left there by an
+        # earlier run is replaced, and a copy is made with O_EXCL: never written through a link.
+        own_folder(staged.parent, self.cfg.output.share, what="tracking staging folder")
+        if os.path.lexists(staged):
+            os.unlink(staged)
         try:
             os.link(path, staged)
         except OSError:
-            shutil.copyfile(path, staged)
+            with open(path, "rb") as source, open(staged, "xb") as copy:
+                shutil.copyfileobj(source, copy)
         self.put(("artifact", staged, kind))
 
     def close(self, status: str) -> None:

@@ -247,6 +247,8 @@ def cmd_bench(argv: list[str]) -> int:
             print(line, flush=True)
         if args.json:
             path = Path(args.json)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1) + "\n")
+            from ..ownership import UMASK, own_folder, write_atomic
+
+            own_folder(path.parent, UMASK, what="folder of --json", fix="give --json a path in a folder of yours")
+            write_atomic(path, json.dumps(result, indent=1) + "\n", UMASK)  # never through a planted link
     return 0

@@ -21,8 +21,10 @@ from ..observe.report import add_rank_report
 from ..fault.bad_data import check_validation
 from ..fault.preemption import StopRequest
 from ..observe.rank_logs import write_host_map
+from ..ownership import own_folder, write_atomic
 from ..tasks import metric_direction
 from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
+from .run_folder import FIX
 from .save import DiskFull, audit_ranks, save_checkpoint
 from .stops import Preempted
 
@@ -33,15 +35,19 @@ class Outputs:
     def __init__(self, run: Run):
         self.writer, self.saver, self.tracker = None, None, None
         if dist.is_primary():
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            (run.run_dir / "config.yaml").write_text(dump_yaml(run.cfg))
+            share = run.cfg.output.share
+            # Made and checked by setup() on the first rank 0; again here for an elastic run's next rank 0
+            # (hvdtrain/ownership.py). No file is written through a link.
+            own_folder(run.run_dir, share, what="output folder", fix=FIX)
+            write_atomic(run.run_dir / "config.yaml", dump_yaml(run.cfg), share)
             if run.peers:
-                write_host_map(run.run_dir, [(p.rank, p.host, p.pid) for p in run.peers])
-            self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard)
+                write_host_map(run.run_dir, [(p.rank, p.host, p.pid) for p in run.peers], share)
+            self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard, share=share)
             if run.resume_changes:  # what changed at this resume (checkpoint.resume=force, or allowed keys)
                 self.writer.write({"split": "resume", "epoch": run.state.position.epoch,
                                    "step": run.state.position.step, **run.resume_changes})
-            self.saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=run.cfg.checkpoint.keep)
+            self.saver = checkpoint.CheckpointSaver(run.run_dir / "checkpoints", keep=run.cfg.checkpoint.keep,
+                                                    share=share)
             if "tracking" in run.state.extra:
                 self.tracker = tracking.Tracker(run.cfg, run.run_dir, run.state.extra["tracking"],
                                                 sorted({peer.host for peer in run.peers}), log,

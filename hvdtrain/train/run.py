@@ -34,7 +34,7 @@ from ..optim.build import LRSchedule
 from ..launch import host_malloc
 from ..launch.placement import place_rank
 from ..observe.rank_logs import WarningTally, host_map
-from .run_folder import prepare_output_dir
+from .run_folder import prepare_output_dir, sharing_note
 from ..checkpoint.identity import differences, listed, model_fit, refusal
 from .state import RunState
 from ..observe.sysstats import StatsSampler
@@ -82,10 +82,12 @@ def setup(cfg: Config) -> Run:
         liveness, peers = build_peers(elastic)
         undo.callback(liveness.close)
         problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
-                                     lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"))
+                                     lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"),
+                                     share=cfg.output.share)
         if problem:
             raise ConfigError(problem)
-        log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}")
+        log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}"
+            + sharing_note(Path(cfg.output.dir), cfg.output.share))
         # Other ranks print no warning; each is counted and rank 0 says it once with its count.
         tally = WarningTally(speak=dist.is_primary()).install()
         undo.callback(tally.uninstall)

@@ -11,15 +11,21 @@ whatever another job had left there. ``output.dir=auto`` (the default) names the
   different run there stops with one line naming what differs (checkpoint/identity.py); give each its
   own ``output.dir``.
 
+The folder itself, and what may be written in it, follow hvdtrain/ownership.py: the user's own
+folder (made 0700 here, 0750 with ``output.share=group``) that nobody else can write or swap.
+
 Light on purpose (no torch, no Horovod): the config is resolved before either is imported.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 from pathlib import Path
 from typing import Callable, Mapping
+
+from ..ownership import GROUP, PRIVATE, UnsafePath, own_folder
 
 AUTO = "auto"
 OUTSIDE_SLURM = "runs/hvdtrain"
@@ -41,26 +47,49 @@ def resolve_output_dir(output_dir: str, env: Mapping[str, str] | None = None) ->
     return default_output_dir(env) if output_dir == AUTO else output_dir
 
 
-def output_dir_problem(path: Path) -> str | None:
-    """None when ``path`` exists as a folder (created here if need be) that this user can write to,
-    else one line naming the folder, what is wrong and the fix."""
-    fix = ("run from a folder you can write to (sbatch runs the job in the folder you submit from) "
-           "or set output.dir=/a/folder/of/yours")
+# Fix for every output folder that cannot be used.
+FIX = ("run from a folder you can write to (sbatch runs the job in the folder you submit from) "
+       "or set output.dir=/a/folder/of/yours")
+# The folders of a run folder that hvdtrain writes into, held to the same rule as the run folder.
+SUBFOLDERS = ("checkpoints", "tb")
+
+
+def output_dir_problem(path: Path, share: str = PRIVATE) -> str | None:
+    """None when ``path`` is a folder this user may write into (made here, with ``share``'s mode, if
+    need be; hvdtrain/ownership.py: yours, nobody else can write or swap it), and so is each of its
+    subfolders that hvdtrain writes into and that exists already; else one line naming the folder,
+    its owner and the fix."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return f"cannot create the output folder '{path.absolute()}' ({error.strerror or error}): {fix}"
+        own_folder(path, share, what="output folder", fix=FIX)
+        for name in SUBFOLDERS:
+            if os.path.lexists(path / name):
+                own_folder(path / name, share, what="output folder", fix=FIX)
+    except UnsafePath as error:
+        return str(error)
     if not os.access(path, os.W_OK | os.X_OK):
-        return f"the output folder '{path.absolute()}' is not writable by this user: {fix}"
+        return f"the output folder '{path.absolute()}' is not writable by this user: {FIX}"
     return None
 
 
-def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object], object] | None) -> str | None:
+def sharing_note(path: Path, share: str) -> str:
+    """What the start-up line adds about who may read the run folder: nothing when private (the
+    default), the group's name when shared on purpose."""
+    if share != GROUP:
+        return ""
+    try:
+        group = grp.getgrgid(path.stat().st_gid).gr_name
+    except (KeyError, OSError):
+        group = "its group"
+    return f" (shared with group {group} on purpose: output.share=group)"
+
+
+def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object], object] | None,
+                       share: str = PRIVATE) -> str | None:
     """Rank 0 creates the run folder and checks it; every rank gets its one-line problem (or None),
     so that all of them stop together instead of waiting in a collective for a rank that crashed.
 
     Without ``broadcast`` (elastic runs: a worker that joins later must not call a collective its
     running peers are not in), only rank 0 checks; its error ends its process, and Horovod Elastic
     ends the job when no rank is left to carry it."""
-    problem = output_dir_problem(path) if is_primary else None
+    problem = output_dir_problem(path, share) if is_primary else None
     return problem if broadcast is None else broadcast(problem)

@@ -175,7 +175,7 @@ class Trainer:
         # it trains (the data guard) or a reset may come between two boundaries (elastic: an answer
         # in flight would not survive Horovod's re-initialization).
         self.stop_waits = self.data_guard is not None or not isinstance(membership, Static)
-        self.bad_log = BadFilesLog(run.run_dir) if self.data_guard is not None and dist.is_primary() else None
+        self.bad_log = BadFilesLog(run.run_dir, cfg.output.share) if self.data_guard is not None and dist.is_primary() else None
         if run.start_epoch >= cfg.train.epochs:
             self.last = finished_metrics(run, broadcast=membership.broadcast)
             log(finished_line(run, self.last))
@@ -184,12 +184,14 @@ class Trainer:
         if run.clock is not None:
             run.clock.start()
         position = run.state.position  # attempts.jsonl: this job's start and end on the run folder
-        attempts.record_start(run.run_dir, [peer.host for peer in run.peers], dist.size(), position.epoch, position.step)
+        share = cfg.output.share
+        attempts.record_start(run.run_dir, [peer.host for peer in run.peers], dist.size(), position.epoch, position.step,
+                              share)
         try:
             with self.stop.installed():
                 membership.run(run, self.train_epochs)
         finally:
-            attempts.record_end(run.run_dir, sys.exc_info()[1], position.epoch, position.step)
+            attempts.record_end(run.run_dir, sys.exc_info()[1], position.epoch, position.step, share)
             try:
                 finish(run, membership.outputs)
             finally:

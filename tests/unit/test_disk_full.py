@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,16 +85,18 @@ def test_another_write_error_is_not_called_a_full_disk(tmp_path, monkeypatch):
 
 
 def test_metrics_that_cannot_be_written_cost_records_not_the_run(tmp_path, capsys, monkeypatch):
+    from hvdtrain.observe import metrics
+
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.write({"split": "train", "epoch": 0, "step": 1, "loss": 1.0})
-    real_open = type(writer.path).open
+    real_open = metrics.open_append
 
-    def full(self, *args, **kwargs):
-        if self.name == "metrics.jsonl":
+    def full(path, *args, **kwargs):
+        if Path(path).name == "metrics.jsonl":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(self, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(type(writer.path), "open", full)
+    monkeypatch.setattr(metrics, "open_append", full)
     for step in (2, 3):
         writer.write({"split": "train", "epoch": 0, "step": step, "loss": 1.0})
     monkeypatch.undo()

@@ -218,7 +218,8 @@ class Loader:
 
 def fake_run(tmp_path: Path, val: Summary | None, max_fraction: float = 0.01, fail: bool = False):
     return SimpleNamespace(loaders=SimpleNamespace(train=Loader(None), val=Loader(val, fail), val_size=60),
-                           cfg=SimpleNamespace(data=SimpleNamespace(max_bad_fraction=max_fraction)),
+                           cfg=SimpleNamespace(data=SimpleNamespace(max_bad_fraction=max_fraction),
+                                               output=SimpleNamespace(share="private")),
                            run_dir=tmp_path / "run")
 
 
