@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ownership import PRIVATE, own_folder, replace_file, sync_folder
+from ..ownership import PRIVATE, UnsafePath, open_trusted, own_folder, replace_file, sync_folder
 from ..redact import mask_values
 
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
@@ -159,13 +159,28 @@ class CheckpointSaver:
         return path
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Load and sanity-check a checkpoint on the CPU, or raise CheckpointError."""
+def load(path: Path, share: str | None = None) -> dict[str, Any]:
+    """Load and sanity-check a checkpoint on the CPU, or raise CheckpointError. With ``share`` (a
+    resume) the file must be trusted as the user's own state (hvdtrain/ownership.py: the user's or
+    root's, nobody else can write it), checked on the descriptor that is then read; without it (a
+    file named to ``evaluate``) it is read as any data file the user names."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint '{path}' does not exist")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if share is None:
+            handle = open(path, "rb")
+        else:
+            handle = os.fdopen(open_trusted(path, share), "rb")
+    except UnsafePath as error:
+        raise CheckpointError(f"checkpoint '{path}' is not resumed: {error}, so it could have been replaced; "
+                              f"delete it (or the run folder), or copy a checkpoint you trust into a folder of "
+                              f"yours and set checkpoint.resume to the copy") from None
+    except OSError as error:
+        raise CheckpointError(f"checkpoint '{path}' is unreadable ({error.strerror or error})") from None
+    try:
+        with handle:
+            payload = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated zip, garbage, or a pickle with code in it
         reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
         raise CheckpointError(f"checkpoint '{path}' is unreadable ({reason}); "
@@ -196,12 +211,14 @@ def upgrade(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def load_for_resume(resume: str, directory: Path,
-                    warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+def load_for_resume(resume: str, directory: Path, warn: Callable[[str], None],
+                    share: str = PRIVATE) -> tuple[Path, dict[str, Any]] | None:
     """What ``checkpoint.resume`` asks for: ``never``, a file, or ``auto`` (or ``force``).
 
     ``auto`` takes ``last.pt`` and, if it is unreadable, the newest numbered checkpoint that
-    loads, saying which file was skipped and why. An explicit file must load.
+    loads, saying which file was skipped and why. An explicit file must load. Either way a file
+    another user owns or can write is never resumed: the job stops with one line naming it, its
+    owner and the fix (``load``).
     """
     if resume == "never":
         return None
@@ -209,13 +226,15 @@ def load_for_resume(resume: str, directory: Path,
         path = Path(resume)
         if not path.is_file():
             raise CheckpointError(f"checkpoint.resume: '{resume}' is neither auto, force, never, nor an existing file")
-        return path, load(path)
+        return path, load(path, share)
     candidates = [directory / "last.pt"] + numbered(directory)
     candidates = [p for p in candidates if p.is_file()]
     for path in candidates:
         try:
-            return path, load(path)
+            return path, load(path, share)
         except CheckpointError as error:
+            if "is not resumed" in str(error):
+                raise  # planted, not damaged: no older file of that folder is trusted either
             warn(f"hvdtrain: warning: {error}; trying an older checkpoint")
     if candidates:
         raise CheckpointError(f"no readable checkpoint in '{directory}' (tried {len(candidates)}); "

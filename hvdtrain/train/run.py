@@ -249,7 +249,8 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
     found, refused = None, None
     if dist.is_primary():
         found = ((path, checkpoint.load(path)) if path is not None
-                 else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log))
+                 else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log,
+                                                 share=run.cfg.output.share))
         if found is not None:
             refused = same_run(run, found) if path is None else None
             # A class folder gone is said as such, before the classifier's shape it changes (model_fit).
