@@ -79,16 +79,17 @@ def summarize(sums: torch.Tensor) -> dict[str, float]:
 
 def file_datasets(data, root: Path, is_primary: bool = True, broadcast_object=None, augment=None,
                   run_dir: Path | None = None, seed: int = 0, transforms: tuple | None = None,
-                  allgather=None) -> tuple[ImageFiles, ImageFiles, FileIndex]:
+                  allgather=None, share: str = "private") -> tuple[ImageFiles, ImageFiles, FileIndex]:
     """The train and val datasets over rank 0's (cached) file index; with ``data.val_fraction``,
-    val is the part of train/ recorded in ``run_dir`` (data/files/val_split.py). ``transforms``: (train,
-    val) instead of the CPU pipeline's (e.g. the device decoder's planning transforms)."""
+    val is the part of train/ recorded in ``run_dir`` (data/files/val_split.py; ``share``: the run
+    folder's output.share). ``transforms``: (train, val) instead of the CPU pipeline's (e.g. the
+    device decoder's planning transforms)."""
     splits = ("train",) if data.val_fraction > 0 else ("train", "val")
     index = shared_index(root, index_cache_dir(data), is_primary, broadcast_object, splits, allgather)
     val_dir = root / "val"
     if data.val_fraction > 0:
         index, note = shared_split(index, data.val_fraction, seed, Path(run_dir or "."), is_primary,
-                                   broadcast_object)
+                                   broadcast_object, share)
         index.note = note
         val_dir = root / "train"
     train_transform, val_transform = transforms or (fast_train_transform(data, augment), fast_eval_transform(data))
@@ -152,7 +153,8 @@ class ImageClassification(Task):
             return self.shard_loaders(env, transforms)
         root = dataset_root(cfg, env)
         train_set, val_set, self.index = file_datasets(data, root, rank == 0, env.broadcast_object, cfg.augment,
-                                                       Path(cfg.output.dir), cfg.seed, transforms, env.allgather)
+                                                       Path(cfg.output.dir), cfg.seed, transforms, env.allgather,
+                                                       cfg.output.share)
         self.num_classes = cfg.model.num_classes or len(self.index.train.classes)
         self.mix.num_classes = self.num_classes
         train_sampler = ShardedSampler(len(train_set), world_size, rank, seed=cfg.seed, shuffle=True, pad=True,

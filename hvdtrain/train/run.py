@@ -70,8 +70,10 @@ class Run:
     resumed_train_sums: torch.Tensor | None = None
 
 
-def setup(cfg: Config) -> Run:
-    """Everything before the first step, identical on every rank (no checkpoint loaded yet)."""
+def setup(cfg: Config, writes: bool = True) -> Run:
+    """Everything before the first step, identical on every rank (no checkpoint loaded yet).
+    ``writes=False`` (evaluation): the output folder is neither made nor checked, since nothing is
+    written there (a checkpoint's recorded ``output.dir`` may name any folder)."""
     elastic = cfg.elastic.enabled
     tracking.require_packages(cfg)
     dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
@@ -81,13 +83,14 @@ def setup(cfg: Config) -> Run:
     with contextlib.ExitStack() as undo:
         liveness, peers = build_peers(elastic)
         undo.callback(liveness.close)
-        problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
-                                     lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"),
-                                     share=cfg.output.share)
-        if problem:
-            raise ConfigError(problem)
-        log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}"
-            + sharing_note(Path(cfg.output.dir), cfg.output.share))
+        if writes:
+            problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
+                                         lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"),
+                                         share=cfg.output.share)
+            if problem:
+                raise ConfigError(problem)
+            log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}"
+                + sharing_note(Path(cfg.output.dir), cfg.output.share))
         # Other ranks print no warning; each is counted and rank 0 says it once with its count.
         tally = WarningTally(speak=dist.is_primary()).install()
         undo.callback(tally.uninstall)
@@ -365,7 +368,7 @@ def where(run: Run) -> str:
 
 def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
     """Validation metrics of a saved model, on however many ranks this job has."""
-    run = setup(cfg)
+    run = setup(cfg, writes=False)
     try:
         resume(run, path)
         model = None

@@ -100,6 +100,9 @@ def test_val_fraction_splits_train_per_class_and_is_recorded(tmp_path):
     with pytest.raises(DataError, match="or set data.val_fraction=0.1"):
         file_datasets(DataConfig(index_cache=False), root)
     run = tmp_path / "run"
+    _, _, unrecorded = file_datasets(data, root, run_dir=run, seed=3)  # evaluation: no run folder is made
+    assert not run.exists() and "not recorded" in unrecorded.note
+    run.mkdir()  # training makes the run folder before it builds the loaders
     train, val, index = file_datasets(data, root, run_dir=run, seed=3)
     assert (len(train), len(val)) == (24, 6)
     assert sorted(index.val.labels) == [0, 0, 1, 1, 2, 2]          # stratified: 2 of 10 per class
@@ -108,6 +111,7 @@ def test_val_fraction_splits_train_per_class_and_is_recorded(tmp_path):
     recorded = json.loads((run / "val_split.json").read_text())
     assert recorded["val"] == index.val.paths and "recorded in" in index.note
     # Another seed chooses another split, but this run keeps its recorded one.
+    (tmp_path / "other").mkdir()
     _, _, other = file_datasets(data, root, run_dir=tmp_path / "other", seed=4)
     assert other.val.paths != index.val.paths
     _, _, again = file_datasets(data, root, run_dir=run, seed=4)

@@ -8,17 +8,18 @@ number of ranks or the order of the directory listing.
 Rank 0 writes the chosen files to ``<output.dir>/val_split.json`` on the first start and reads
 them back on every later one (a resumed run, ``hvdtrain evaluate``), so a run validates on the
 same images from start to end even if the seed, the code or the folder changes; every other rank
-receives rank 0's split by broadcast.
+receives rank 0's split by broadcast. It is written only into a run folder that training made and
+checked (hvdtrain/ownership.py): evaluation makes no folder where a checkpoint's config points.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
+from ...ownership import PRIVATE, folder_problem, write_atomic
 from .index import DataError, FileIndex, SplitIndex, compact
 
 FORMAT = "hvdtrain-val-split-v1"
@@ -53,7 +54,8 @@ def apply_split(index: FileIndex, val_paths: list[str]) -> FileIndex:
     return compact(FileIndex(index.root, train, val, index.source, index.seconds))
 
 
-def load_or_choose(index: FileIndex, fraction: float, seed: int, run_dir: Path) -> tuple[list[str], str]:
+def load_or_choose(index: FileIndex, fraction: float, seed: int, run_dir: Path,
+                   share: str = PRIVATE) -> tuple[list[str], str]:
     """The recorded split of ``run_dir``, or a new one written there; and a line saying which."""
     path = run_dir / FILE_NAME
     if path.is_file():
@@ -69,22 +71,23 @@ def load_or_choose(index: FileIndex, fraction: float, seed: int, run_dir: Path) 
                             f"the file (and the run's checkpoints) to split again")
         return payload["val"], f"validation split: {len(payload['val'])} files of train/ as recorded in {path}"
     val = choose(index.train, fraction, seed)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f".{FILE_NAME}.tmp-{os.getpid()}")
-    scratch.write_text(json.dumps({"format": FORMAT, "fraction": fraction, "seed": seed, "val": val}, indent=0),
-                       encoding="utf-8")
-    os.replace(scratch, path)
-    return val, (f"validation split: {len(val)} of {len(index.train)} files of train/ "
-                 f"(data.val_fraction={fraction:g}, seed {seed}), recorded in {path}")
+    chosen = f"validation split: {len(val)} of {len(index.train)} files of train/ (data.val_fraction={fraction:g}, seed {seed})"
+    if not run_dir.is_dir() or folder_problem(run_dir, share) is not None:
+        # Evaluation (setup made no folder: output.dir is what a checkpoint recorded) or a folder that
+        # is not the user's: nothing is made or written there.
+        return val, f"{chosen}, not recorded (no run folder of yours at {run_dir})"
+    write_atomic(path, json.dumps({"format": FORMAT, "fraction": fraction, "seed": seed, "val": val}, indent=0),
+                 share)  # never through a planted link
+    return val, f"{chosen}, recorded in {path}"
 
 
 def shared_split(index: FileIndex, fraction: float, seed: int, run_dir: Path, is_primary: bool,
-                 broadcast_object: Callable[[Any], Any] | None = None) -> tuple[FileIndex, str]:
+                 broadcast_object: Callable[[Any], Any] | None = None, share: str = PRIVATE) -> tuple[FileIndex, str]:
     """Rank 0 loads or chooses the split; every rank gets it (or the same one-line error)."""
     result: tuple[str, Any] = ("error", "not built")
     if is_primary or broadcast_object is None:
         try:
-            result = ("ok", load_or_choose(index, fraction, seed, run_dir))
+            result = ("ok", load_or_choose(index, fraction, seed, run_dir, share))
         except DataError as error:
             result = ("error", str(error))
     if broadcast_object is not None:

@@ -30,6 +30,7 @@ from ...data.loaders import Loaders
 from ...data.ratings.movielens import GENERATED_VERSION, Split, ensure_generated_dataset, load_split
 from ...data.ratings.batches import ExplicitRatings, ImplicitPairs, PairSet, RankedCandidates, SampledBatches
 from ...data.sampler import ShardedSampler
+from ...ownership import PRIVATE, folder_problem, replace_file
 from ..base import DataEnv, Task
 from .settings import RecommendationSettings
 from .models import NCF, MatrixFactorization, parse_layers
@@ -120,11 +121,16 @@ class IdMap:
                                 f"{len(getattr(self, key))} {kind}s); point data.dir at the same ratings")
 
 
-def save_id_map(run_dir: Path, id_map: IdMap) -> None:
+def save_id_map(run_dir: Path, id_map: IdMap, share: str = PRIVATE) -> None:
     """``<output.dir>/movielens_ids.npz``: the raw id of each embedding row (index = row), for using
-    the trained embeddings outside hvdtrain. Checkpoints carry the same mapping."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    np.savez(run_dir / "movielens_ids.npz", user_ids=id_map.user_ids.numpy(), item_ids=id_map.item_ids.numpy())
+    the trained embeddings outside hvdtrain. Checkpoints carry the same mapping. Written only into a
+    run folder training made and checked (hvdtrain/ownership.py), never through a link: evaluation,
+    whose output.dir is what a checkpoint recorded, makes and writes nothing there."""
+    if not run_dir.is_dir() or folder_problem(run_dir, share) is not None:
+        return
+    replace_file(run_dir / "movielens_ids.npz",
+                 lambda handle: np.savez(handle, user_ids=id_map.user_ids.numpy(), item_ids=id_map.item_ids.numpy()),
+                 share)
 
 
 class Recommendation(Task):
@@ -177,7 +183,7 @@ class Recommendation(Task):
         self.references = {} if self.implicit else bias_baseline(split, self.global_mean)
         self.id_map = IdMap(ratings.user_ids, ratings.item_ids, str(split.source))
         if env.rank == 0:
-            save_id_map(Path(cfg.output.dir), self.id_map)
+            save_id_map(Path(cfg.output.dir), self.id_map, cfg.output.share)
         users, items = ratings.users, ratings.items
         if self.implicit:
             train_pairs = PairSet(users[train], items[train], ratings.num_items)
