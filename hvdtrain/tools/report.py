@@ -4,7 +4,9 @@ Plots per epoch: loss and top-1 (train and val), learning rate, images per secon
 step time goes (a stacked chart of the phases: data wait, forward+backward, allreduce wait,
 optimizer, other; the data-wait fraction alone for runs from before phase timing) and the ranks'
 CPU and GPU use. Written next to the metrics (``RUN_DIR/report.png``,
-``RUN_DIR/summary.txt``) unless ``--out`` says otherwise.
+``RUN_DIR/summary.txt``) unless ``--out`` says otherwise, into a folder of the user's that nobody
+else can write (hvdtrain/ownership.py), never through a link; private to the user (0600). Any run's
+metrics can be read, another user's too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..data import DataError
+from ..ownership import own_folder, replace_file, write_atomic
 from ..observe.phases import LABELS, PHASES
 from ..observe.rank_logs import RANKS_FILE, attach_rank_detail, rank_ranges
 
@@ -33,12 +36,28 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             raise DataError(f"{path}:{number} is not a JSON line (the file is damaged)") from None
+        epoch = record.setdefault("epoch", 0) if isinstance(record, dict) else None
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise DataError(f"{path}:{number} is not a metrics record (an object with an epoch number): "
+                            f"the file is damaged or not hvdtrain's")
+        records.append(record)
     if not records:
         raise DataError(f"{path} is empty: the run has not finished an epoch yet")
     return attach_rank_detail(records, run_dir)  # by_rank, every straggler (older runs: inline)
+
+
+def numeric(record: dict[str, Any], key: str) -> float | None:
+    """``record[key]`` when it is a number (a record of an older or other run may lack it, or hold text)."""
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def shown(record: dict[str, Any], key: str, spec: str) -> str:
+    value = numeric(record, key)
+    return "n/a" if value is None else format(value, spec)
 
 
 def by_split(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -57,16 +76,19 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
     lines = [f"run {run_dir}: {epochs} epoch(s)"]
     if train:
         last = train[-1]
-        rates = [r["samples_per_sec"] for r in train if "samples_per_sec" in r]
-        waits = [r["data_wait_fraction"] for r in train if "data_wait_fraction" in r]
-        lines.append(f"train: last epoch loss {last['loss']:.4f}, top-1 {last['top1']:.2f}%; "
-                     f"{sum(rates) / max(1, len(rates)):.1f} img/s on average (last {rates[-1]:.1f})"
+        rates = [r["samples_per_sec"] for r in train if numeric(r, "samples_per_sec") is not None]
+        waits = [r["data_wait_fraction"] for r in train if numeric(r, "data_wait_fraction") is not None]
+        speed = (f"; {sum(rates) / len(rates):.1f} img/s on average (last {rates[-1]:.1f})" if rates
+                 else "; no throughput recorded")
+        lines.append(f"train: last epoch loss {shown(last, 'loss', '.4f')}, top-1 {shown(last, 'top1', '.2f')}%{speed}"
                      + (f", data wait {100 * sum(waits) / len(waits):.1f}% of the time" if waits else ""))
     if val:
         last = val[-1]
-        best = max(val, key=lambda r: r["top1"] if not math.isnan(r["top1"]) else -1)
-        lines.append(f"val: last epoch loss {last['loss']:.4f}, top-1 {last['top1']:.2f}%, top-5 {last['top5']:.2f}%; "
-                     f"best top-1 {best['top1']:.2f}% at epoch {int(best['epoch']) + 1}")
+        scored = [r for r in val if numeric(r, "top1") is not None and not math.isnan(r["top1"])]
+        best = (f"; best top-1 {max(scored, key=lambda r: r['top1'])['top1']:.2f}% at epoch "
+                f"{int(max(scored, key=lambda r: r['top1']).get('epoch', 0)) + 1}") if scored else ""
+        lines.append(f"val: last epoch loss {shown(last, 'loss', '.4f')}, top-1 {shown(last, 'top1', '.2f')}%, "
+                     f"top-5 {shown(last, 'top5', '.2f')}%{best}")
     if val and any("ema_top1" in r for r in val):
         best = max((r for r in val if "ema_top1" in r), key=lambda r: r["ema_top1"])
         lines.append(f"val (EMA weights): last epoch top-1 {val[-1].get('ema_top1', float('nan')):.2f}%; "
@@ -187,12 +209,23 @@ def draw(splits: dict[str, list[dict[str, Any]]], title: str, summary: list[str]
 
 
 def plot(splits: dict[str, list[dict[str, Any]]], path: Path, title: str, summary: list[str]) -> None:
+    """The figure written to ``path``, whose folder ``report_folder`` checked: a fresh file renamed over
+    the name (ownership.replace_file), so a link planted there is replaced, never written through."""
     import matplotlib.pyplot as plt
 
     figure = draw(splits, title, summary)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
+    try:
+        replace_file(path, lambda handle: figure.savefig(handle, format=path.suffix.lstrip(".").lower() or "png"))
+    finally:
+        plt.close(figure)
+
+
+def report_folder(out: Path, given: bool) -> None:
+    """The folder the report goes to, made or checked by the ownership rule (hvdtrain/ownership.py):
+    the user's own, nobody else can write it. Reading another user's run is fine; writing into
+    their folder is not."""
+    fix = "write the report to a folder of yours with --out /a/folder/of/yours/report.png"
+    own_folder(out.parent, what="report folder", fix=fix if not given else "give --out in a folder of yours")
 
 
 def plot_phases(axis: Any, train: list[dict[str, Any]]) -> None:
@@ -248,9 +281,10 @@ def cmd_report(argv: list[str]) -> int:
     run_dir = Path(args.run_dir)
     splits = by_split(load_records(run_dir))
     out = Path(args.out) if args.out else run_dir / "report.png"
+    report_folder(out, given=bool(args.out))
     lines = summary_lines(run_dir, splits)
     plot(splits, out, title=f"hvdtrain run {run_dir.name}", summary=lines)
-    (out.parent / "summary.txt").write_text("\n".join(lines) + "\n")
+    write_atomic(out.parent / "summary.txt", "\n".join(lines) + "\n")
     for line in lines:
         print(line)
     print(f"report={out}", flush=True)

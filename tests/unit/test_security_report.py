@@ -1,0 +1,80 @@
+"""``hvdtrain report`` reads anyone's metrics.jsonl but writes its PNG and summary only into a folder
+of the user's, never through a planted link, privately; a metrics.jsonl without samples_per_sec,
+or with a record that is not one, is a summary or one line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from hvdtrain.cli import main
+from hvdtrain.ownership import UnsafePath
+from hvdtrain.tools import report
+from tests import users
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+@pytest.fixture
+def scratch():
+    if users.why_not():
+        pytest.skip(users.why_not())
+    users.user()
+    folder = users.scratch()
+    yield folder, users.victim_home(folder)
+    shutil.rmtree(folder)
+
+
+def metrics_without_speed(run: Path, lines: int) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    record = {"split": "train", "epoch": 0, "loss": 1.0, "top1": 10.0, "lr": 0.1}
+    with open(run / "metrics.jsonl", "w") as handle:
+        for epoch in range(lines):
+            handle.write(json.dumps({**record, "epoch": epoch}) + "\n")
+
+
+def test_report_writes_into_no_one_elses_folder(scratch, capsys):
+    folder, home = scratch
+    users.as_user(users.ATTACKER, users.PLANT.format(home=home), cwd=folder)
+    users.as_user(users.ATTACKER, 'echo \'{"split": "train", "epoch": 0, "loss": 1.0, "top1": 5.0}\' '
+                                  '> run/metrics.real && rm run/metrics.jsonl && mv run/metrics.real run/metrics.jsonl',
+                  cwd=folder)
+    assert main(["report", str(folder / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hvdtrain: error: the report folder '{folder / 'run'}' is not safe to write into: {folder / 'run'} "
+                   f"belongs to {users.ATTACKER} (owner {users.ATTACKER}, mode 0777); write the report to a folder of "
+                   f"yours with --out /a/folder/of/yours/report.png\n")
+    users.untouched(home)
+    mine = home / "reports"
+    assert main(["report", str(folder / "run"), "--out", str(mine / "report.png")]) == 0  # reading hers is fine
+    assert mode(mine / "report.png") == mode(mine / "summary.txt") == 0o600 and mode(mine) == 0o700
+
+
+def test_report_on_metrics_without_a_speed_has_no_traceback(tmp_path, capsys):
+    metrics_without_speed(tmp_path / "run", 200)
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "train: last epoch loss 1.0000, top-1 10.00%; no throughput recorded" in out
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"split": "train", "epoch": "x"}\n')
+    assert main(["report", str(tmp_path / "run")]) == 2
+    assert "metrics.jsonl:1 is not a metrics record" in capsys.readouterr().err
+
+
+def test_the_report_replaces_a_planted_link_in_ones_own_folder(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the victim's notes\n")
+    metrics_without_speed(tmp_path / "run", 2)
+    (tmp_path / "run" / "summary.txt").symlink_to(victim)
+    (tmp_path / "run" / "report.png").symlink_to(victim)
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert victim.read_text() == "the victim's notes\n"
+    assert not (tmp_path / "run" / "report.png").is_symlink()
+    (tmp_path / "run").chmod(0o777)
+    with pytest.raises(UnsafePath, match="run chmod go-w"):
+        report.report_folder(tmp_path / "run" / "report.png", given=False)
