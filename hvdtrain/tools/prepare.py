@@ -11,14 +11,16 @@ Keys are the image's position in its split's ImageFolder listing (``00001234``).
 records keep that order; training records are shuffled once with a fixed seed (ImageFolder order
 is class by class), so shard contents are a pure function of the source and the options.
 
-Safety and resume: each shard is written to a new ``.NAME.tmp-RANDOM`` (created with O_EXCL: never
-through a link planted in a shared destination) and renamed when complete, then a
-sidecar ``.prepare/NAME.json`` (its image count and sha256) is renamed into place. A rerun after an
-interruption keeps every shard whose sidecar is present and whose bytes still hash to it, and
-writes the others again; the tar files are deterministic (fixed mtime, owner and member order), so
-the result is byte-identical to an uninterrupted run. ``manifest.json`` is written last. A
-destination holding anything that is not this tool's output (for the same source and options) is
-refused.
+Safety and resume: the destination is a folder of the user's that nobody else can write
+(hvdtrain/ownership.py; made 0755 within the umask). Each shard is written to a new
+``.NAME.tmp-RANDOM`` (O_EXCL: never through a planted link; 0644 within the umask) and renamed when
+complete, then its sidecar ``.prepare/NAME.json`` (image count, sha256). A rerun keeps every shard
+whose sidecar is present and whose bytes still hash to it, and writes the others again; the tar
+files are deterministic (fixed mtime, owner and member order), so the result is byte-identical to
+an uninterrupted run. ``manifest.json`` is written last. Another user's unfinished run is never
+adopted (its markers stop the run with one line; a sidecar or shard not the user's own, or that
+others can write, is written again), and a destination holding anything that is not this tool's
+output for the same source and options is refused.
 
 What goes in: only files that are images (their header parses as one, whether copied or
 re-encoded; anything else is skipped and listed in the manifest). Links are followed as
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..data.files.index import DataError, check_layout, scan_split, sha256_file
+from ..ownership import UMASK, UnsafePath, current_umask, file_mode, open_trusted, own_folder, write_atomic
 
 FORMAT = "hvdtrain-shards-v1"
 MANIFEST = "manifest.json"
@@ -123,21 +126,17 @@ def tar_member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
 
 
 def fresh_file(folder: Path, name: str) -> tuple[BinaryIO, Path]:
-    """A new file ``.NAME.tmp-RANDOM`` in ``folder``, created with O_EXCL (a file or link someone
-    planted at a name we would pick is never written through), with the mode a plain create gives."""
+    """A new file ``.NAME.tmp-RANDOM`` in ``folder`` (O_EXCL: a link planted at a name we would pick
+    is never written through), 0644 within the umask (ownership.UMASK)."""
     descriptor, path = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(descriptor, 0o666 & ~umask)
+    os.fchmod(descriptor, file_mode(UMASK) & ~current_umask())
     return os.fdopen(descriptor, "wb"), Path(path)
 
 
-def write_new(path: Path, text: str) -> None:
-    """``path`` replaced atomically by ``text`` (a fresh temporary file, then a rename)."""
-    handle, scratch = fresh_file(path.parent, path.name)
-    with handle:
-        handle.write(text.encode("utf-8"))
-    os.replace(scratch, path)
+def read_trusted(path: Path) -> bytes:
+    """A previous run's file, if this user (or root) owns it and nobody else can write it (else UnsafePath)."""
+    with os.fdopen(open_trusted(path), "rb") as handle:
+        return handle.read()
 
 
 def write_shard(job: tuple[str, str, list[Record], int, int]) -> dict:
@@ -160,16 +159,19 @@ def write_shard(job: tuple[str, str, list[Record], int, int]) -> dict:
     info = {"name": name, "images": images, "bytes": scratch.stat().st_size, "sha256": sha256_file(scratch),
             "skipped": skipped}
     os.replace(scratch, final)
-    write_new(state, json.dumps(info))
+    write_atomic(state, json.dumps(info), UMASK)
     return info
 
 
 def finished(dst: Path, name: str, expected_records: int) -> dict | None:
-    """The sidecar of a shard a previous run completed, when the shard still matches it."""
+    """The sidecar of a shard a previous run completed, when the shard still matches it. The sidecar
+    and the shard must be this user's (or root's) and writable by nobody else: another user's file
+    is never adopted, it is written again (the rename replaces it)."""
     try:
-        info = json.loads((dst / STATE_DIR / f"{name}.json").read_text(encoding="utf-8"))
-        ok = info["images"] + len(info["skipped"]) == expected_records and sha256_file(dst / name) == info["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
+        info = json.loads(read_trusted(dst / STATE_DIR / f"{name}.json").decode("utf-8"))
+        ok = (info["images"] + len(info["skipped"]) == expected_records
+              and sha256_file(open_trusted(dst / name)) == info["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):  # UnsafePath is a ValueError
         return None
     return info if ok else None
 
@@ -235,18 +237,30 @@ def outside_links(src: Path, split: str, paths: list[str]) -> list[tuple[str, st
 
 
 def check_destination(dst: Path, options: dict) -> None:
-    """Refuse a non-empty destination that is not an unfinished or finished run with these options."""
-    if not dst.exists():
-        return
-    if not dst.is_dir():
+    """Make the destination, or refuse it: not a folder of this user's that nobody else can write
+    (hvdtrain/ownership.py), or not empty and not an unfinished or finished run with these options,
+    or holding such a run's markers that another user wrote or can change."""
+    if dst.exists() and not dst.is_dir():
         raise PrepareError(f"destination {dst} is a file (give a new or empty folder)")
+    try:
+        own_folder(dst, UMASK, what="destination", fix="give a new folder of yours")
+        if os.path.lexists(dst / STATE_DIR):
+            own_folder(dst / STATE_DIR, UMASK, what="destination's state folder",
+                       fix="delete the destination or give a new folder of yours")
+    except UnsafePath as error:
+        raise PrepareError(str(error)) from None
     entries = os.listdir(dst)
     if not entries:
         return
     for marker in (dst / MANIFEST, dst / STATE_DIR / OPTIONS_FILE):
         try:
-            previous = json.loads(marker.read_text(encoding="utf-8"))
+            previous = json.loads(read_trusted(marker).decode("utf-8"))
+        except UnsafePath as error:
+            raise PrepareError(f"destination {dst} holds a prepare run that is not yours to continue: {error}; "
+                               f"delete it, or give a new folder") from None
         except (OSError, ValueError):
+            continue
+        if not isinstance(previous, dict):
             continue
         if previous.get("format") == FORMAT and previous.get("options") == options:
             return
@@ -276,13 +290,13 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
     check_destination(dst, options)
     if (dst / MANIFEST).is_file():
         print(f"prepare: {dst} is complete (manifest.json present); nothing to do", file=sys.stderr)
-        return json.loads((dst / MANIFEST).read_text(encoding="utf-8"))
-    (dst / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        return json.loads(read_trusted(dst / MANIFEST).decode("utf-8"))  # check_destination trusted it
+    own_folder(dst / STATE_DIR, UMASK, what="destination's state folder")
     marker = dst / STATE_DIR / OPTIONS_FILE
     if not marker.exists():
-        marker.write_text(json.dumps({"format": FORMAT, "options": options}), encoding="utf-8")
-    for stale in dst.glob(".*.tmp-*"):  # partial shards of an interrupted run
-        stale.unlink()
+        write_atomic(marker, json.dumps({"format": FORMAT, "options": options}), UMASK)
+    for stale in [*dst.glob(".*.tmp-*"), *dst.glob(".*.tmp"), *(dst / STATE_DIR).glob(".*.tmp")]:
+        stale.unlink()  # partial files of an interrupted run
 
     start = time.perf_counter()
     jobs, done, classes = [], {}, None
@@ -346,7 +360,7 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
     manifest["totals"] = {"images": sum(s["images"] for s in manifest["splits"].values()),
                           "bytes": sum(s["bytes"] for split in manifest["splits"].values() for s in split["shards"]),
                           "skipped": len(manifest["skipped"])}
-    write_new(dst / MANIFEST, json.dumps(manifest, indent=1))
+    write_atomic(dst / MANIFEST, json.dumps(manifest, indent=1), UMASK)
     for side in (dst / STATE_DIR).iterdir():
         side.unlink()
     (dst / STATE_DIR).rmdir()

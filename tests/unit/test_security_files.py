@@ -1,9 +1,12 @@
 """Files others can write or link (issue 36, point 4): the MovieLens ratings cache, ``hvdtrain
-prepare``'s source files, symlink loops in a data folder, and temporary files in cache folders."""
+prepare``'s source files and destination (never another user's unfinished run), symlink loops in a
+data folder, and temporary files in cache folders."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tarfile
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from hvdtrain.data.demo import generate
 from hvdtrain.data.files.index import DataError, LayoutError, build_index, scan_split
 from hvdtrain.data.ratings.movielens import CSV_HEADER, load_split
 from hvdtrain.tools.prepare import PrepareError, prepare
+from tests import users
 
 ROWS = [(u, i, r, 1000 + 10 * u + i) for u in range(1, 21) for i, r in zip(range(1, 9), (3, 4, 5, 2.5, 3.5, 4, 1, 5))]
 MEAN = float(np.mean([r for _, _, r, _ in ROWS]))
@@ -219,3 +223,45 @@ def test_prepare_output_modes_follow_the_umask(source, tmp_path):
     for path in (tmp_path / "out").iterdir():
         assert path.stat().st_mode & 0o777 == 0o644, path
     assert not list((tmp_path / "out").glob(".*"))
+
+
+# --- prepare's destination: never another user's unfinished run -----------------------------------
+
+def test_prepare_never_adopts_another_users_unfinished_run(source, tmp_path):
+    if users.why_not():
+        pytest.skip(users.why_not())
+    uid = users.user().pw_uid
+    dst = tmp_path / "dst"
+    prepare(source, dst, progress=False)
+    options = json.loads((dst / "manifest.json").read_text())["options"]
+    shutil.rmtree(dst)
+    # Her unfinished run: the options of ours, a sidecar and a shard of hers with swapped labels.
+    dst.mkdir(mode=0o755)
+    (dst / ".prepare").mkdir(mode=0o755)
+    (dst / ".prepare" / "options.json").write_text(json.dumps({"format": "hvdtrain-shards-v1", "options": options}))
+    for path in (dst, dst / ".prepare", dst / ".prepare" / "options.json"):
+        os.chown(path, uid, -1)
+    with pytest.raises(PrepareError) as error:
+        prepare(source, dst, progress=False)
+    assert f"belongs to {users.ATTACKER}" in str(error.value) and "\n" not in str(error.value)
+    os.chown(dst, 0, -1)  # the folders are ours, her marker is not
+    os.chown(dst / ".prepare", 0, -1)
+    with pytest.raises(PrepareError, match=f"is not yours to continue: .*options.json belongs to {users.ATTACKER}"):
+        prepare(source, dst, progress=False)
+
+
+def test_prepare_writes_again_a_shard_that_is_not_the_users(source, tmp_path):
+    dst = tmp_path / "dst"
+    prepare(source, dst, progress=False)
+    reference = {p.name: p.read_bytes() for p in dst.glob("*.tar")}
+    manifest = json.loads((dst / "manifest.json").read_text())
+    # An interrupted run of ours, whose first shard someone could rewrite meanwhile.
+    (dst / "manifest.json").unlink()
+    (dst / ".prepare").mkdir()
+    (dst / ".prepare" / "options.json").write_text(json.dumps({"format": "hvdtrain-shards-v1", "options": manifest["options"]}))
+    shard = manifest["splits"]["train"]["shards"][0]
+    (dst / ".prepare" / f"{shard['name']}.json").write_text(json.dumps({**shard, "skipped": []}))
+    (dst / shard["name"]).chmod(0o666)
+    prepare(source, dst, progress=False)
+    assert (dst / shard["name"]).stat().st_mode & 0o777 == 0o644
+    assert {p.name: p.read_bytes() for p in dst.glob("*.tar")} == reference

@@ -362,8 +362,8 @@ def shared_index(root: Path, cache_dir: Path | None, is_primary: bool,
     return index
 
 
-def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
+def sha256_file(path: Path | int) -> str:
+    """The SHA-256 (hex) of a file's bytes, or of an open descriptor's (then closed), in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
