@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..ownership import own_folder
+
 VERSION = "stripes-v1"
 PALETTE = ((220, 40, 40), (40, 200, 60), (50, 80, 230), (230, 210, 40), (200, 60, 210))
 ORIENTATIONS = ("horizontal", "vertical")
@@ -61,9 +63,11 @@ def ensure_demo_dataset(train_per_class: int = 100, val_per_class: int = 20, siz
                         root: Path | None = None) -> Path:
     """Return the dataset folder, generating it once; safe when several processes race."""
     root = root or cache_root() / "datasets" / f"{VERSION}-{train_per_class}-{val_per_class}-{size}"
+    # Under the user's cache (0700, made so if missing): a folder another user owns or can write is
+    # refused in one line (hvdtrain/ownership.py), never trained on.
+    own_folder(root.parent, what="dataset cache folder", fix="set HVDTRAIN_CACHE to a folder of yours")
     if (root / "val").is_dir():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
     scratch = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     generate(scratch, train_per_class, val_per_class, size)

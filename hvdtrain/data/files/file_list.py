@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from ...ownership import open_trusted
+
 MAGIC = b"hvdtrain-file-index-v3\n"
 ALIGN = 64
 MAX_HEADER = 64 << 20                       # the class names of ImageNet-21k take about 0.3 MB
@@ -46,8 +48,10 @@ class Buffer:
 
     @classmethod
     def of_file(cls, path: str | os.PathLike) -> "Buffer":
-        """Map a regular file (OSError for anything else: a folder, a fifo, a missing file)."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """Map a cache file: a regular file this user (or root) owns and nobody else can write, never
+        through another user's link (ownership.open_trusted: UnsafePath, a ValueError); OSError for a
+        missing or unreadable one."""
+        fd = open_trusted(path)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(f"{path} is not a regular file")
@@ -280,7 +284,30 @@ def decode_split(buffer: Buffer, base: int, entry: Any) -> tuple[list[str], Path
         return None  # every name ends with its NUL: starts strictly increase
     if count and (int(labels.values.min()) < 0 or int(labels.values.max()) >= len(classes)):
         return None
+    if not stays_inside(paths):
+        return None
     return classes, paths, labels
+
+
+def stays_inside(paths: PathArray) -> bool:
+    """Whether every path stays inside its split folder: none is absolute and none has a ``..``
+    component (a cache file written by another hand could list /etc/hostname or
+    ../../home/someone/notes.txt). One pass over the names' bytes, no string per path."""
+    if not len(paths):
+        return True
+    names = np.frombuffer(paths.names, dtype=np.uint8)
+    if bool((names[paths.starts[:-1]] == ord("/")).any()):
+        return False
+    source, begin = paths.buffer.map, paths.layout[0]
+    end = begin + paths.layout[1]
+    at = source.find(b"..", begin, end)
+    while at >= 0:  # ".." inside a name (a..b.jpg) is fine; as a whole component it is not
+        before = source[at - 1] if at > begin else 0
+        after = source[at + 2] if at + 2 < end else 0
+        if before in (0, 0x2F) and after in (0, 0x2F):
+            return False
+        at = source.find(b"..", at + 1, end)
+    return True
 
 
 def decode_index(buffer: Buffer, splits: tuple[str, ...] = ("train", "val")) -> tuple[dict, dict] | None:

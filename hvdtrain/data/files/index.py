@@ -16,13 +16,16 @@ The cache file holds the compact arrays of ``file_list.py`` behind a JSON header
 loading it is a memory map and a check of every bound, offset and label, about 0.1 s at 14.2M
 files, and the loader workers of every rank of the host read that one copy. Like checkpoints, it
 never unpickles anything: a file that does not parse, fails a check, or holds another format (the
-JSON of hvdtrain-file-index-v2, the pickles of v1) is a cache miss and is rewritten, never an error.
+JSON of hvdtrain-file-index-v2, the pickles of v1) is a cache miss and is rewritten, never an error;
+so is one another user owns or can write, or whose paths leave data.dir (absolute, through ``..``).
+The cache folder must be the user's (hvdtrain/ownership.py; made 0700), else it is not used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ...ownership import UnsafePath, own_folder
 from .file_list import Buffer, IntArray, PathArray, decode_index, encode_index, read_header, share_buffer
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -231,8 +235,8 @@ def store(path: Path, chunks: Iterable) -> Buffer | None:
     never rewritten in place, so every mapping of an older one stays intact."""
     scratch = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A fresh name (O_EXCL, mode 0600): a file or link planted at a predictable name is never written through.
+        # The folder is checked (usable_cache); a fresh name (O_EXCL, mode 0600): a file or link
+        # planted at a predictable name is never written through.
         descriptor, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(descriptor, "wb") as handle:
             handle.writelines(chunks)
@@ -248,7 +252,7 @@ def store(path: Path, chunks: Iterable) -> Buffer | None:
         except OSError:
             pass
         return buffer
-    except OSError:
+    except (OSError, ValueError):  # ValueError: ownership.UnsafePath
         if scratch is not None:
             try:
                 os.unlink(scratch)
@@ -273,6 +277,20 @@ def compact(index: FileIndex, key: str = "") -> FileIndex:
     return result
 
 
+def usable_cache(cache_dir: Path | None) -> Path | None:
+    """``cache_dir`` when its ``file-index`` folder is made or found by the ownership rule; else None
+    and one warning line: no cache is then read from or written to another user's folder."""
+    if cache_dir is None:
+        return None
+    try:
+        own_folder(cache_dir / "file-index", what="file index cache folder",
+                   fix="set HVDTRAIN_CACHE to a folder of yours (or data.index_cache=false)")
+    except UnsafePath as error:
+        print(f"hvdtrain: warning: {error}; the file index is not cached", file=sys.stderr, flush=True)
+        return None
+    return cache_dir
+
+
 def build_index(root: Path, cache_dir: Path | None, splits: tuple[str, ...] = SPLITS) -> FileIndex:
     """Check the layout, then read the cache (when given and current) or scan and write it.
     ``splits=("train",)``: no val/ folder (its index is empty; data.val_fraction splits train/).
@@ -280,6 +298,7 @@ def build_index(root: Path, cache_dir: Path | None, splits: tuple[str, ...] = SP
     start = time.perf_counter()
     check_layout(root, splits)
     key = path = None
+    cache_dir = usable_cache(cache_dir)
     if cache_dir is not None:
         key, path = cache_key(root, splits), cache_file(root, cache_dir)
         cached = load_cached(path, key)

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from ...ownership import UnsafePath, own_folder
 from ..files.index import DataError, sha256_file
 
 FORMATS = {"ratings.csv": ",", "u.data": "\t", "ratings.dat": "::"}
@@ -257,7 +258,7 @@ def write_cache(candidates: list[Path], signature: str, ratings: Ratings, val: n
     for candidate in candidates:
         scratch = None
         try:
-            candidate.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            own_folder(candidate.parent)  # the user's own, 0700 (the folders it makes too); else UnsafePath
             handle, scratch = tempfile.mkstemp(prefix=f".{candidate.name}.", suffix=".tmp", dir=candidate.parent)
             with os.fdopen(handle, "wb") as stream:
                 np.savez(stream, signature=np.array(signature), users=ratings.users, items=ratings.items,
@@ -265,7 +266,7 @@ def write_cache(candidates: list[Path], signature: str, ratings: Ratings, val: n
                          item_ids=ratings.item_ids, skipped=np.array(ratings.skipped), val=val)
             os.replace(scratch, candidate)
             return candidate
-        except OSError:
+        except (OSError, UnsafePath):  # not written: parsed again next time
             if scratch is not None:
                 try:
                     os.unlink(scratch)
@@ -345,9 +346,9 @@ def write_ratings_csv(path: Path, users: np.ndarray, items: np.ndarray, ratings:
 
 def ensure_generated_dataset(root: Path, **sizes: int) -> Path:
     """The built-in dataset's folder (``ratings.csv``), generated once; safe when processes race."""
+    own_folder(root.parent, what="dataset cache folder", fix="set HVDTRAIN_CACHE to a folder of yours")
     if (root / "ratings.csv").is_file():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
     scratch = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     scratch.mkdir(parents=True, exist_ok=True)
     write_ratings_csv(scratch / "ratings.csv", *generate_ratings(**sizes))
