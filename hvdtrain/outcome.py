@@ -6,7 +6,9 @@ job, one exit code per way a run stops, and the one-line cause that ``hvdtrain l
     74  a checkpoint that had to be written did not fit on its disk (EX_IOERR: not for a blind retry)
     65  data files vanished: training files past data.max_bad_fraction or a tar shard (stopped after a
         checkpoint of the last good step), or validation files past it (after the epoch's training is
-        checkpointed) (EX_DATAERR: restore the data, then run the same command; a retry before that fails again)
+        checkpointed) (EX_DATAERR: restore the data, then run the same command; a retry before that fails again);
+        or a data set's own files hold a value that cannot be right (a manifest's count, a shard's name:
+        data.DamagedData), said in one line before training
     130 interrupted (Ctrl-C)
 
 Light on purpose (no torch, no Horovod): the CLI reports a usage error through it before either
@@ -58,7 +60,8 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 def report_error(error: Exception) -> int:
-    """One line on stderr, once per job; returns the exit code for bad input.
+    """One line on stderr, once per job; returns the exit code for bad input (2), or the error's own
+    ``exit_code`` (65 for a data set's own files holding values that cannot be right: DamagedData).
 
     Errors that every rank hits alike (a bad config, a missing folder) would print once per rank;
     ranks other than 0 wait a moment first, and the launcher ends them when rank 0 exits, so the
@@ -71,7 +74,7 @@ def report_error(error: Exception) -> int:
     else:
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
     note_cause(f"error: {error}")
-    return EXIT_BAD_INPUT
+    return int(getattr(error, "exit_code", EXIT_BAD_INPUT))
 
 
 def stop_code(stop: Exception) -> int:

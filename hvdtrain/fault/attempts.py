@@ -50,7 +50,7 @@ def exit_of(error: BaseException | None) -> tuple[int, str]:
     if isinstance(error, KeyboardInterrupt):
         return outcome.EXIT_INTERRUPTED, "interrupted"
     if isinstance(error, outcome.user_errors()):
-        return outcome.EXIT_BAD_INPUT, line.removeprefix("hvdtrain: ")
+        return int(getattr(error, "exit_code", outcome.EXIT_BAD_INPUT)), line.removeprefix("hvdtrain: ")
     code = getattr(error, "exit_code", None)
     if isinstance(code, int):
         return code, line.removeprefix("hvdtrain: ")

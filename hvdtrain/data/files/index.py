@@ -45,6 +45,15 @@ class DataError(ValueError):
     """A problem with the dataset folder, phrased as one line for the user."""
 
 
+class DamagedData(DataError):
+    """A value read from a data set's own files (a shard manifest, a tar header) that cannot be right:
+    a count that is not a number or exceeds what the files hold, a name that leaves the folder. One
+    line, and exit code 65 (EX_DATAERR: the data is wrong, not the command), never a traceback or an
+    allocation of the size a file claims."""
+
+    exit_code = 65
+
+
 class LayoutError(DataError):
     """The dataset folder is not laid out as train/<class>/<image> and val/<class>/<image>."""
 

@@ -60,7 +60,7 @@ from ..image.folder import collate
 from ..sampler import sample_seed
 from .manifest import Manifest, Split
 from .order import Segment, buffer_order, part_seed, remaining_sequence, worker_parts
-from .read import ShardFailure, hole, read_records
+from .read import BAD_LABEL, ShardFailure, hole, read_records
 from .taking import ShardLoader
 
 
@@ -249,8 +249,12 @@ class ShardStream(IterableDataset):
         return out
 
     def decode(self, record: int, data: bytes, label: int) -> tuple[torch.Tensor | None, str]:
+        if label == BAD_LABEL:
+            return None, "a .cls label that is not a number"
         if label < 0:
             return None, "no .cls label"
+        if label >= len(self.manifest.classes):  # a label the model's head has no output for
+            return None, f"label {label} outside the {len(self.manifest.classes)} classes of manifest.json"
         if not data:
             return None, "no image member"
         token = RESOLUTION.set(self.resolution(self.epoch)) if self.resolution is not None else None

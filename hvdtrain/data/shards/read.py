@@ -33,6 +33,12 @@ from .manifest import IMAGE_EXTENSIONS, Split, join, open_binary
 from .tar import TarError, TarReader
 
 
+# A record's label: its ``.cls`` member, ASCII digits. Missing, it is NO_LABEL; not a number, BAD_LABEL;
+# either way (and past the manifest's classes) the record is a bad file (loader.ShardStream.decode).
+NO_LABEL, BAD_LABEL = -1, -2
+MAX_LABEL_BYTES = 64
+
+
 def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, str, bytes, int | None]]:
     """(position, key, image extension, image bytes) of records ``[first, end)`` of one shard; a
     record's label is its ``.cls`` member. Reads the file front to back, seeking over skipped records."""
@@ -54,7 +60,8 @@ def shard_records(path: str, first: int, end: int) -> Iterator[tuple[int, str, s
             if member_ext.lower() in IMAGE_EXTENSIONS:
                 image, ext = reader.read(), member_ext
             elif member_ext == "cls":
-                label = int(reader.read().decode().strip())
+                text = reader.read(MAX_LABEL_BYTES).strip()
+                label = int(text) if text.isdigit() else BAD_LABEL  # the record is then a bad file, named
         if key is not None and first <= position < end:
             yield position, key, ext, image if image is not None else b"", label
 
@@ -101,7 +108,7 @@ def read_records(root: str, split: Split, ids: np.ndarray, wanted: set[int]
                 record = base + position
                 if record in wanted:
                     found.add(record)
-                    yield record, f"{name}:{key}", data, -1 if label is None else label
+                    yield record, f"{name}:{key}", data, NO_LABEL if label is None else label
         except (OSError, TarError) as error:
             failure = shard_failure(name, error)
         if failure is None and not found.issuperset(left):
