@@ -131,6 +131,19 @@ UPPER_BOUNDS = {
     "augment.num_ops": (64, "operations per image; RandAugment uses 2"),
     # The largest machines have about 1000 hardware threads.
     "runtime.threads": (1024, "torch threads per rank"),
+    # An epoch of synthetic data: 75x ImageNet-21k's 14.2M images. 4,000,000,000 used to be taken and
+    # kept a rank at full CPU, deaf to SIGTERM, for over ten minutes.
+    "data.synthetic_samples": (1 << 30, "samples an epoch"),
+    # Records each loader worker holds to shuffle: a million images of ~110 KB are 110 GB already.
+    "data.shuffle_buffer": (1 << 20, "records held per loader worker"),
+    # Pillow refuses above its limit; 1 Gpixel is a 32768 x 32768 image, 3 GB decoded.
+    "data.max_image_pixels": (1 << 30, "pixels an image may have"),
+    # Each step consumes this many batches; recipes use up to 64.
+    "train.backward_passes_per_step": (1024, "batches per optimizer step"),
+    # A loop over epochs: 90 for ImageNet, a few thousand for small data sets.
+    "train.epochs": (100_000, "epochs"),
+    # Horovod's fusion buffer, allocated on every rank; its default is 128 MB.
+    "dist.bucket_mb": (16384, "MB per gradient group"),
 }
 
 

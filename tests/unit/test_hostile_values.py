@@ -208,3 +208,25 @@ def test_discover_hosts_skips_names_that_are_not_host_names(tmp_path):
         "not starting with '-')" for name in ("-oProxyCommand=touch${IFS}/tmp/pwned", "a;b")]
     calls = (tmp_path / "ssh.log").read_text().splitlines()
     assert calls == ["-o BatchMode=yes -o ConnectTimeout=2 -- node0 true", "-o BatchMode=yes -o ConnectTimeout=2 -- node1 true"]
+
+
+# --- keys that size a loop or an allocation --------------------------------------------------------
+
+@pytest.mark.parametrize("override, message", [
+    ("data.synthetic_samples=4000000000", "config key 'data.synthetic_samples' must be at most 1073741824"),
+    ("data.shuffle_buffer=100000000", "config key 'data.shuffle_buffer' must be at most 1048576"),
+    ("train.backward_passes_per_step=100000", "config key 'train.backward_passes_per_step' must be at most 1024"),
+    ("train.epochs=10000000", "config key 'train.epochs' must be at most 100000"),
+    ("dist.bucket_mb=1000000", "config key 'dist.bucket_mb' must be at most 16384"),
+    ("data.max_image_pixels=100000000000", "config key 'data.max_image_pixels' must be at most 1073741824"),
+])
+def test_keys_that_size_a_loop_or_an_allocation_are_bounded(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert str(error.value).startswith(message)
+
+
+def test_recommendation_layer_widths_are_bounded():
+    with pytest.raises(ConfigError, match="at most 65536"):
+        load_config("movielens", ["recommendation.mlp_layers=100000000,16"])
+    assert load_config("movielens", ["recommendation.mlp_layers=1024,256"]).recommendation.mlp_layers == "1024,256"

@@ -26,6 +26,7 @@ RECOMMENDERS = ("mf", "ncf")
 UPPER_BOUNDS = {"embedding_dim": (65536, "factors per row; recommenders use tens to hundreds"),
                 "negatives": (1000, "per positive; He et al. 2017 use 4"),
                 "eval_negatives": (100_000, "per held-out item; the usual protocol ranks 100")}
+MAX_MLP_WIDTH = 65536  # units in one NCF layer (He et al. 2017 use up to 256)
 
 
 @dataclass
@@ -68,9 +69,10 @@ class RecommendationSettings:
                               f"got {self.split_fraction}")
         if self.embedding_l2 < 0:
             raise ConfigError(f"config key 'recommendation.embedding_l2' must be >= 0, got {self.embedding_l2}")
-        if not all(part.strip().isdigit() and int(part) > 0 for part in self.mlp_layers.split(",")):
-            raise ConfigError(f"config key 'recommendation.mlp_layers': expected positive widths separated by "
-                              f"commas, e.g. 64,32,16, got '{self.mlp_layers}'")
+        widths = self.mlp_layers.split(",")
+        if not all(part.strip().isdigit() and 0 < int(part) <= MAX_MLP_WIDTH for part in widths) or len(widths) > 64:
+            raise ConfigError(f"config key 'recommendation.mlp_layers': expected up to 64 positive widths of at most "
+                              f"{MAX_MLP_WIDTH}, separated by commas, e.g. 64,32,16, got '{self.mlp_layers[:80]}'")
         if self.sparse_embeddings:
             if cfg.optim.name == "adam":
                 raise ConfigError("recommendation.sparse_embeddings=true needs optim.name=sgd or adagrad (torch's Adam "
