@@ -213,7 +213,7 @@ class DistConfig:
     op: Literal["average", "adasum"] = "average"
     """Gradient reduction."""
     timeout_seconds: int = 45
-    """Stop the job, naming the lost rank, when no training step completes for this long; 0 = never."""
+    """Stop the job, naming the lost rank, when no training step completes for this long; also end a rank that makes no progress for this long after a stop signal (stuck where the stop is never agreed, exit 75); 0 = never."""
     straggler_threshold: float = 0.15
     """Name a rank whose busy time per step (data + compute + optimizer) exceeds the median rank's by more than this; 0 = off."""
     stall_warning_seconds: int = 60

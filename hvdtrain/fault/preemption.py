@@ -22,12 +22,16 @@ far inside any scheduler's grace period.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 import time
 from typing import Iterator
 
 import torch
 
+from .. import outcome
 from ..comm import dist, launcher_env as launcher
 from .spot import NoticeWatcher
 
@@ -41,6 +45,8 @@ MOST_BOUNDARIES_BETWEEN = 1000
 class StopRequest:
     def __init__(self, notice: str = "none", notice_url: str = "", poll_seconds: float = 5.0) -> None:
         self.received: int | str | None = None  # a signal number, or a cloud notice's line
+        self.received_at: float | None = None   # when the first stop signal came (time.monotonic)
+        self.acted = False  # the ranks agreed on the stop: the loop checkpoints and leaves
         self.notice, self.notice_url, self.poll_seconds = notice, notice_url, poll_seconds
         self.everywhere: torch.Tensor | None = None  # [ranks with a signal, ranks with a notice]
         self.before_early: dict = {}  # the process's own handlers while keep_early() holds them
@@ -60,6 +66,12 @@ class StopRequest:
 
     def _handler(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         self.received = signum
+        self.received_at = self.received_at or time.monotonic()
+
+    def pending_since(self) -> float | None:
+        """When a stop signal came that the ranks have not yet agreed on (None: none, or agreed): the
+        watchdog ends a rank that makes no progress for dist.timeout_seconds from then on."""
+        return None if self.acted or not isinstance(self.received, int) else self.received_at
 
     def keep_early(self) -> None:
         """From now until ``installed()`` (start-up: building the loaders, resuming), a stop signal is
@@ -153,3 +165,18 @@ class StopRequest:
         if self.everywhere is not None and self.everywhere[1] > 0:
             return f"a preemption notice ({self.notice}) seen by another rank"
         return "a stop signal sent to another rank"
+
+
+def ignored_stop(rank: int, waited: float, timeout: float) -> None:
+    """End this process: a stop signal came ``waited`` seconds ago and the rank has made no progress
+    for ``timeout`` since (called from the watchdog's thread). The rank is stuck where the stop is
+    never checked, such as a loop in data code; the main thread's place is named. No checkpoint is
+    written (the stuck state cannot be saved): the run resumes from its last one. Exit code 75."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    where = f" in {frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})" if frame is not None else ""
+    print(f"hvdtrain: stop signal received {waited:.0f} s ago, but rank {rank} has made no progress for {timeout:g} s "
+          f"(dist.timeout_seconds): it is stuck{where}. Ending it without a checkpoint; the run resumes from its "
+          f"last one with the same command.", file=sys.stderr, flush=True)
+    outcome.note_cause("stop signal ignored: stuck" + where)
+    outcome.write_exit_record(outcome.EXIT_PREEMPTED)
+    os._exit(outcome.EXIT_PREEMPTED)

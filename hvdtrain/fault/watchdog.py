@@ -18,6 +18,7 @@ tears the job down.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 from ..comm import launcher_env as launcher
 
@@ -335,7 +336,9 @@ def lost_message(peers: list[Peer], own_rank: int, what: str) -> tuple[str, bool
 
 
 class Watchdog:
-    """Ends the process when an armed loop makes no progress for ``timeout`` seconds."""
+    """Ends the process when an armed loop makes no progress for ``timeout`` seconds, or, armed or not,
+    ``timeout`` seconds after a stop signal the ranks have not agreed on (``stop_pending``): a rank
+    looping in data code never reaches the step boundary where it is (preemption.ignored_stop)."""
 
     def __init__(self, timeout: float, peers: list[Peer], own_rank: int):
         self.timeout = timeout
@@ -344,6 +347,8 @@ class Watchdog:
         self.last_beat = time.monotonic()
         self.armed = False
         self.stopped = threading.Event()
+        self.busy_depth = 0  # inside busy(): a checkpoint being written, progress without beats
+        self.stop_pending: Callable[[], float | None] | None = None
         if timeout > 0:
             threading.Thread(target=self._watch, name="hvdtrain-watchdog", daemon=True).start()
 
@@ -355,8 +360,21 @@ class Watchdog:
         self.last_beat = time.monotonic()
         self.armed = True
 
+    def progress(self) -> None:  # a validation batch of a run's first epoch: progress, not arming
+        self.last_beat = time.monotonic()
+
     def disarm(self) -> None:
         self.armed = False
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Work that is progress without beats, on every rank (a checkpoint): a pending stop waits for it."""
+        self.busy_depth += 1
+        try:
+            yield
+        finally:
+            self.busy_depth -= 1
+            self.last_beat = time.monotonic()
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 4)
@@ -374,3 +392,8 @@ class Watchdog:
                 if speak:
                     print(line, file=sys.stderr, flush=True)
                 os._exit(1)
+            pending = self.stop_pending() if self.stop_pending is not None else None
+            if pending is not None and not self.busy_depth and now - max(pending, self.last_beat) > self.timeout:
+                from .preemption import ignored_stop
+
+                ignored_stop(self.own_rank, now - pending, self.timeout)  # ends the process

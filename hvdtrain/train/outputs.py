@@ -79,7 +79,7 @@ def validate_with_ema(run: Run, val_metrics: dict[str, Any], watch: bool) -> Non
     metrics with an ``ema_`` prefix."""
     run.ema.copy_buffers(run.state.model)
     ema = evaluate(run.state, run.settings, run.loaders.val, dist.allreduce_sum,
-                   on_batch=run.watchdog.beat if watch else None, model=run.ema.module)
+                   on_batch=run.watchdog.beat if watch else run.watchdog.progress, model=run.ema.module)
     for key, value in ema.items():
         if key not in ("samples", "seconds", "samples_per_sec") and not key.startswith("bad_files"):
             val_metrics[f"ema_{key}"] = value
@@ -130,7 +130,7 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     if watch:
         run.watchdog.beat()
     val_metrics = evaluate(state, run.settings, run.loaders.val, dist.allreduce_sum,
-                           on_batch=run.watchdog.beat if watch else None)
+                           on_batch=run.watchdog.beat if watch else run.watchdog.progress)
     if run.ema is not None:
         validate_with_ema(run, val_metrics, watch)
     run.watchdog.disarm()

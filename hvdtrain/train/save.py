@@ -73,19 +73,21 @@ def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best:
         run.settings.guard.check()  # a checkpoint is never written of a diverged state
     if not audited:
         audit_ranks(run, f"the checkpoint of {where(run)} (global step {run.state.position.step})")
-    payload = checkpoint_payload(run)
-    path, problem = None, None
-    if saver is not None:
-        try:
-            path = saver.save(payload, is_best)
-        except checkpoint.DiskFull as error:
-            problem = error.strerror
-    # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place. One
-    # small broadcast says whether it failed (each collective is a round between the ranks); the
-    # reason follows only then.
-    failed = dist.broadcast(torch.tensor([1 if problem else 0], dtype=torch.int32), name="hvdtrain.checkpoint.io.saved")
-    if int(failed[0]):
-        problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.io.problem")
+    with run.watchdog.busy():  # a pending stop signal waits for the checkpoint (fault/watchdog.py)
+        payload = checkpoint_payload(run)
+        path, problem = None, None
+        if saver is not None:
+            try:
+                path = saver.save(payload, is_best)
+            except checkpoint.DiskFull as error:
+                problem = error.strerror
+        # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place. One
+        # small broadcast says whether it failed (each collective is a round between the ranks); the
+        # reason follows only then.
+        failed = dist.broadcast(torch.tensor([1 if problem else 0], dtype=torch.int32),
+                                name="hvdtrain.checkpoint.io.saved")
+        if int(failed[0]):
+            problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.io.problem")
     if problem:
         if must:
             raise DiskFull(f"hvdtrain: {problem}", speak=dist.is_primary())

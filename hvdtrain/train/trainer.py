@@ -161,6 +161,9 @@ class Trainer:
         self.stop.keep_early()  # a stop signal during setup and resume stops the run at its first step
         try:
             run = self.run = setup(cfg)
+            # From now on a stop signal that is never agreed (a rank stuck where no step boundary comes)
+            # still ends the rank, after dist.timeout_seconds without progress (fault/watchdog.py).
+            run.watchdog.stop_pending = self.stop.pending_since
             try:
                 membership.start(run)
             except BaseException:
@@ -254,9 +257,12 @@ class Trainer:
         the answer of the previous boundary (preemption.StopRequest.agreed)."""
         guard = self.data_guard
         if guard is None:
-            return self.stop.agreed(wait=wait)
-        signalled = self.stop.agreed(extra=guard.vector())
-        return guard.check(self.stop.extra) or signalled
+            stop = self.stop.agreed(wait=wait)
+        else:
+            signalled = self.stop.agreed(extra=guard.vector())
+            stop = guard.check(self.stop.extra) or signalled
+        self.stop.acted = self.stop.acted or stop  # the loop now checkpoints and leaves: no deadline for it
+        return stop
 
     def after_step(self, out: Outputs, sums: MetricSums, progress: "Progress | None") -> None:
         run, cfg = self.run, self.cfg
