@@ -15,27 +15,39 @@
 #      spaces) are given and the wheel's sum is one of them. The sums come from the user, not from
 #      the folder, so who can write to the folder does not matter (docker/build-local.sh passes the
 #      sums of the wheels it mounts into the image build); or
-#   2. no HASHES are given and only this user or root can change the wheel: it and every folder from
-#      ROOT (the wheelhouse, or setup's own cache) down to it are owned by this user or root and not
-#      writable by group or others. A SHA256SUMS that setup wrote beside the wheel when it built it
-#      must then match too (a copy cut short or damaged).
-# The wheel is copied into DEST (a folder of setup's own, mode 700) before its sum is checked, and
-# the copy is what gets installed: the file cannot be swapped between the check and pip.
+#   2. no HASHES are given and only this user or root can change the wheel: it and every folder from it
+#      up to / are owned by this user or root and not writable by group or others (a folder with the
+#      sticky bit, such as /tmp, may be: nobody can rename or replace what is not theirs in it). A
+#      folder above ROOT counts as much as ROOT itself: whoever owns one can swap everything below.
+#      A SHA256SUMS that setup wrote beside the wheel when it built it must then match too (a copy cut
+#      short or damaged).
+# The wheel is opened once; its owner and mode are checked on that open file, the folders after it,
+# then the name must still lead to the file that was opened, and the copy is made from that same
+# descriptor into DEST (a folder of setup's own, mode 700). The copy is what is hashed and installed:
+# nothing can be swapped between the check and pip.
 
 # Set by verified_wheel: the checked copy to install, or the reason it may not be installed.
 checked_wheel=""
 wheel_problem=""
 
-# 0 when PATH (a file or folder) can be changed by this user or root alone.
+# 0 when PATH (a file or folder; /dev/fd/N: an open file) can be changed by this user or root alone;
+# $2=folder: a sticky folder may be writable by all.
 private_to_owner() {
     local owner mode
-    read -r owner mode < <(stat -c '%u %a' -- "$1") || return 1
+    read -r owner mode < <(stat -L -c '%u %a' -- "$1") || return 1
     [[ $owner == "$(id -u)" || $owner == 0 ]] || return 1
-    (( (8#$mode & 8#022) == 0 ))
+    (( (8#$mode & 8#022) == 0 )) && return 0
+    [[ ${2:-} == folder ]] && (( (8#$mode & 8#1000) != 0 ))
+}
+
+# The reason PATH ($2: what stat reads, default PATH itself) may not vouch for the wheel $3.
+unsafe_reason() {
+    local shown=$1 probe=${2:-$1}
+    echo "$shown can be written by others than you and root (owner uid $(stat -L -c '%u' -- "$probe"), mode $(stat -L -c '%a' -- "$probe")), so the Horovod wheel $3 could have been swapped: run chmod go-w on it, give the wheel's sha256 in HVDTRAIN_WHEELHOUSE_SHA256 (for HVDTRAIN_WHEELHOUSE), or delete the wheel to compile Horovod"
 }
 
 verified_wheel() {
-    local wheel=$1 root=$2 dest=$3 hashes=${4:-} real_root real_wheel path sum listed
+    local wheel=$1 root=$2 dest=$3 hashes=${4:-} real_root real_wheel path sum listed fd
     checked_wheel="" wheel_problem=""
     real_root=$(realpath -e -- "$root") && real_wheel=$(realpath -e -- "$wheel") || {
         wheel_problem="cannot resolve $wheel or $root"; return 1; }
@@ -43,19 +55,36 @@ verified_wheel() {
         wheel_problem="$wheel leads outside $root (to $real_wheel): remove it"
         return 1
     fi
+    exec {fd}<"$real_wheel" || { wheel_problem="cannot open $wheel"; return 1; }
     if [[ -z $hashes ]]; then
-        path=$real_wheel
-        while :; do
-            if ! private_to_owner "$path"; then
-                wheel_problem="$path can be written by others than you and root (owner uid $(stat -c '%u' -- "$path"), mode $(stat -c '%a' -- "$path")), so the Horovod wheel $wheel could have been swapped: run chmod go-w on it, give the wheel's sha256 in HVDTRAIN_WHEELHOUSE_SHA256 (for HVDTRAIN_WHEELHOUSE), or delete the wheel to compile Horovod"
-                return 1
-            fi
-            [[ $path == "$real_root" ]] && break
-            path=$(dirname -- "$path")
-        done
+        if ! private_to_owner "/dev/fd/$fd"; then
+            wheel_problem=$(unsafe_reason "$real_wheel" "/dev/fd/$fd" "$wheel")
+        else
+            path=$real_wheel
+            while [[ $path != / ]]; do
+                path=$(dirname -- "$path")
+                if ! private_to_owner "$path" folder; then
+                    wheel_problem=$(unsafe_reason "$path" "$path" "$wheel")
+                    break
+                fi
+            done
+        fi
+        if [[ -z $wheel_problem && $(stat -L -c '%d:%i' -- "$real_wheel") != $(stat -L -c '%d:%i' "/dev/fd/$fd") ]]; then
+            wheel_problem="$wheel was replaced while it was checked: run setup again"
+        fi
+        if [[ -n $wheel_problem ]]; then
+            exec {fd}<&-
+            return 1
+        fi
     fi
-    cp -- "$real_wheel" "$dest/" || { wheel_problem="cannot copy $wheel into $dest"; return 1; }
     checked_wheel=$dest/$(basename -- "$real_wheel")
+    if ! cat <&"$fd" >"$checked_wheel"; then
+        exec {fd}<&-
+        rm -f -- "$checked_wheel"
+        checked_wheel="" wheel_problem="cannot copy $wheel into $dest"
+        return 1
+    fi
+    exec {fd}<&-
     sum=$(sha256sum -- "$checked_wheel" | cut -d' ' -f1)
     if [[ -n $hashes ]]; then
         for listed in ${hashes//,/ }; do

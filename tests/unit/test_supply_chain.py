@@ -9,6 +9,7 @@ import ast
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -82,6 +83,40 @@ def test_a_wheel_owned_by_another_user_is_refused(wheelhouse):
     os.chown(wheel, 12345, 12345)
     result = check(wheel, root, dest)
     assert result.returncode == 1 and "owner uid 12345" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a folder's owner needs root")
+def test_a_folder_above_the_wheelhouse_that_another_user_owns_is_refused(wheelhouse, tmp_path):
+    """Whoever owns a folder above the wheelhouse can swap the whole wheelhouse: every folder up to /
+    counts, not only those from the wheelhouse down."""
+    root, wheel, dest = wheelhouse
+    os.chown(tmp_path, 12345, 12345)
+    try:
+        result = check(wheel, root, dest)
+    finally:
+        os.chown(tmp_path, 0, 0)
+    assert result.returncode == 1 and not (dest / WHEEL_NAME).exists()
+    assert result.stderr.startswith(f"wheel-check: {tmp_path} can be written by others than you and root "
+                                    f"(owner uid 12345, mode 700)")
+
+
+def test_a_wheel_swapped_while_it_is_checked_is_never_installed(wheelhouse, tmp_path):
+    """The check and the copy read one open file: a wheel renamed over the checked one between the two
+    (here from inside the check's own walk up the folders) is noticed, never copied."""
+    root, wheel, dest = wheelhouse
+    evil = tmp_path / "evil.whl"
+    evil.write_bytes(b"PK\x03\x04 the attacker's wheel")
+    evil.chmod(0o644)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "dirname").write_text(f'#!/bin/sh\nif [ ! -e "{tmp_path}/swapped" ]; then touch "{tmp_path}/swapped"; '
+                                   f'mv -f "{evil}" "{wheel}"; fi\nexec {shutil.which("dirname")} "$@"\n')
+    (tools / "dirname").chmod(0o755)
+    result = subprocess.run(["bash", str(CHECK), str(wheel), str(root), str(dest), ""], capture_output=True, text=True,
+                            timeout=30, env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}"})
+    assert (tmp_path / "swapped").exists()  # the swap came during the check
+    assert result.returncode == 1 and "was replaced while it was checked" in result.stderr, result.stderr
+    assert not (dest / WHEEL_NAME).exists()
 
 
 def test_given_sums_decide_whoever_can_write_the_folder(wheelhouse):
