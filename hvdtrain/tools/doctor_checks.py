@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..ownership import folder_problem
+
 # What a training rank imports besides torch and Horovod (setup.py's install_requires): module,
 # the package that installs it.
 REQUIRED_MODULES = (("torchvision", "torchvision"), ("numpy", "numpy"), ("PIL", "pillow"),
@@ -70,8 +72,8 @@ def package_versions() -> dict[str, str]:
 
 
 def writable_problem(path: Path) -> str | None:
-    """Why this user cannot write ``path`` (made on demand: its nearest existing parent must be
-    writable), or None. Creates nothing."""
+    """Why this user cannot, or should not, write ``path`` (made on demand: its nearest existing parent
+    must be writable; the ownership rule of training's run folder), or None. Creates nothing."""
     probe = path.absolute()
     while not probe.exists():
         if probe.parent == probe:
@@ -82,7 +84,7 @@ def writable_problem(path: Path) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"'{probe}' is not writable by this user" if probe == path.absolute() else \
             f"'{path}' would be made in '{probe}', which is not writable by this user"
-    return None
+    return folder_problem(path)  # another user's folder, or one others can write or swap (hvdtrain/ownership.py)
 
 
 def data_files(root: Path, limit: int = READ_FILES_LISTED) -> list[Path]:
