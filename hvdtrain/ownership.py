@@ -32,6 +32,7 @@ Light on purpose (the standard library only): every layer, from the config to th
 from __future__ import annotations
 
 import errno
+import grp
 import os
 import pwd
 import stat
@@ -80,9 +81,24 @@ def current_umask() -> int:
     return mask
 
 
-def writable_by_others(mode: int, share: str = PRIVATE) -> bool:
-    """Whether users other than the owner can write (the group counts as others unless shared with)."""
-    return bool(mode & (stat.S_IWOTH | (0 if share == GROUP else stat.S_IWGRP)))
+def private_group(gid: int, uid: int) -> bool:
+    """Whether ``gid`` is the user private group of ``uid`` (Debian's and Red Hat's convention: a
+    group named after the user, with no other member), whose write bit lets no one else in. Under it
+    users work with umask 002, so their own folders and files are group-writable."""
+    try:
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    user = owner_name(uid)
+    return group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def writable_by_others(info: os.stat_result, share: str = PRIVATE) -> bool:
+    """Whether users other than the owner can write: anyone, or the group unless shared with on
+    purpose or the owner's private group."""
+    if info.st_mode & stat.S_IWOTH:
+        return True
+    return bool(info.st_mode & stat.S_IWGRP) and share != GROUP and not private_group(info.st_gid, info.st_uid)
 
 
 def describe(info: os.stat_result) -> str:
@@ -101,7 +117,7 @@ def _above_problem(folder: Path, info: os.stat_result, share: str) -> str | None
         return None
     if not trusted_owner(info.st_uid):
         return f"the folder {folder} above it belongs to {owner_name(info.st_uid)}, who could swap it"
-    if writable_by_others(info.st_mode) and not sticky:
+    if writable_by_others(info) and not sticky:
         return f"the folder {folder} above it can be written by others ({describe(info)}) without the sticky bit"
     return None
 
@@ -136,7 +152,7 @@ def folder_problem(path: str | os.PathLike, share: str = PRIVATE) -> str | None:
         return f"{path} is not a folder"
     if info.st_uid != os.geteuid():
         return f"{path} belongs to {owner_name(info.st_uid)} ({describe(info)})"
-    if writable_by_others(info.st_mode, share):
+    if writable_by_others(info, share):
         whom = "anyone" if info.st_mode & stat.S_IWOTH else "its group"
         return f"{path} can be written by {whom} ({describe(info)})"
     return None
@@ -180,7 +196,7 @@ def trust_problem(info: os.stat_result, path: str | os.PathLike, share: str = PR
         return f"{path} is not a regular file"
     if not trusted_owner(info.st_uid):
         return f"{path} belongs to {owner_name(info.st_uid)} ({describe(info)})"
-    if writable_by_others(info.st_mode, share):
+    if writable_by_others(info, share):
         return f"{path} can be written by others ({describe(info)})"
     return None
 

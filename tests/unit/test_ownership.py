@@ -3,6 +3,7 @@ files without following links, and which files it trusts as its own state."""
 
 from __future__ import annotations
 
+import grp
 import os
 import shutil
 import stat
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from hvdtrain import ownership
 from hvdtrain.ownership import (GROUP, UMASK, UnsafePath, folder_problem, open_append, open_trusted, own_folder,
-                                trust_problem, write_atomic)
+                                private_group, trust_problem, write_atomic)
 from tests import users
 
 needs_users = pytest.mark.skipif(users.why_not() is not None, reason=str(users.why_not()))
@@ -58,10 +60,16 @@ def test_an_existing_folder_of_ones_own_is_used_as_it_is(tmp_path, umask_022):
     assert own_folder(tmp_path / "run") == tmp_path / "run"  # twice: nothing changes
 
 
+def shared_group() -> int:
+    """A group other users belong to (Debian's "users"), not the user's private one."""
+    return grp.getgrnam("users").gr_gid
+
+
 @pytest.mark.parametrize("bits, whom", [(0o777, "anyone"), (0o775, "its group")])
 def test_a_folder_of_ones_own_that_others_can_write_is_refused(tmp_path, bits, whom):
     (tmp_path / "run").mkdir()
     (tmp_path / "run").chmod(bits)
+    os.chown(tmp_path / "run", -1, shared_group())
     with pytest.raises(UnsafePath) as error:
         own_folder(tmp_path / "run", what="output folder", fix="set output.dir=/a/folder/of/yours")
     message = str(error.value)
@@ -69,6 +77,29 @@ def test_a_folder_of_ones_own_that_others_can_write_is_refused(tmp_path, bits, w
     assert f"can be written by {whom}" in message and f"run chmod go-w '{tmp_path / 'run'}'" in message
     if bits == 0o775:
         assert own_folder(tmp_path / "run", share=GROUP)  # shared with the group on purpose
+
+
+def test_the_write_bit_of_a_users_private_group_lets_nobody_else_in(attacker):
+    """Debian and Red Hat give each user a group of their own and umask 002: a user's folders and
+    files are group-writable, and only they are in the group. That is not "others"."""
+    me = users.user()
+    assert private_group(me.pw_gid, me.pw_uid)  # useradd made the group of the same name
+    assert not private_group(shared_group(), me.pw_uid)
+    scratch = users.scratch()
+    try:
+        # The rule as that user sees it: the module alone (standard library only), from a copy they can read.
+        shutil.copy(Path(ownership.__file__), scratch / "rule.py")
+        folder = scratch / "project" / "run"
+        folder.mkdir(parents=True)
+        for path in (folder.parent, folder):
+            path.chmod(0o775)
+            os.chown(path, me.pw_uid, me.pw_gid)
+        check = f"/usr/bin/python3 -c 'import rule; print(rule.folder_problem(\"{folder}\"))'"
+        assert users.as_user(me.pw_name, check, cwd=scratch).stdout.strip() == "None"
+        os.chown(folder, me.pw_uid, shared_group())
+        assert "can be written by its group" in users.as_user(me.pw_name, check, cwd=scratch).stdout
+    finally:
+        shutil.rmtree(scratch)
 
 
 def test_a_folder_another_user_owns_is_refused(tmp_path, attacker):
@@ -90,6 +121,7 @@ def test_folders_above_decide_who_could_swap_it(tmp_path, attacker):
     assert "above it can be written by others" in folder_problem(above / "run")
     assert "can be written by anyone" in folder_problem(above / "run", share=GROUP)
     above.chmod(0o2770)  # a project folder: the group is trusted only when shared with
+    os.chown(above, -1, shared_group())
     assert "above it can be written by others" in folder_problem(above / "run")
     assert folder_problem(above / "run", share=GROUP) is None
     above.chmod(0o1777)
@@ -193,6 +225,7 @@ def test_ones_own_private_file_is_trusted(tmp_path):
     with pytest.raises(UnsafePath, match=r"can be written by others \(owner \w+, mode 0666\)"):
         open_trusted(path)
     path.chmod(0o664)
+    os.chown(path, -1, shared_group())  # a group other users are in (a user's private group would not count)
     assert trust_problem(path.stat(), path) and trust_problem(path.stat(), path, share=GROUP) is None
 
 

@@ -4,6 +4,7 @@ read. ``evaluate`` still reads a checkpoint the user names, whoever owns it: it 
 
 from __future__ import annotations
 
+import grp
 import os
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def test_a_checkpoint_others_can_write_is_not_resumed(tmp_path):
         checkpoint.load_for_resume(str(folder / "last.pt"), folder, print)
     assert checkpoint.load(folder / "last.pt")["step"] == 4  # evaluate reads a file the user names
     (folder / "last.pt").chmod(0o664)  # its group may write: only a run folder shared with the group takes it
+    os.chown(folder / "last.pt", -1, grp.getgrnam("users").gr_gid)  # a group others are in, not root's own
     with pytest.raises(checkpoint.CheckpointError, match="can be written by others"):
         checkpoint.load_for_resume("auto", folder, print)
     assert checkpoint.load_for_resume("auto", folder, print, share="group")[1]["step"] == 4
