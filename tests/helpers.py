@@ -195,9 +195,14 @@ def main():
             dist.barrier()
 
     trainer.Trainer.after_step = vanishing
-    sys.exit(hvdtrain_main(sys.argv[1:]))
+    try:
+        code = hvdtrain_main(sys.argv[1:])
+    finally:
+        trainer.Trainer.after_step = after_step
+    sys.exit(code)
 
 
+# tests/shared_ranks: this script may run on the shared ranks
 if __name__ == "__main__":  # loader workers (forkserver) import this file: train only when run
     main()
 '''

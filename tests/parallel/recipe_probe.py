@@ -80,5 +80,6 @@ def main() -> None:
     save_run(run, metrics, out / f"rank{dist.rank()}.pt")
 
 
+# tests/shared_ranks: this script may run on the shared ranks
 if __name__ == "__main__":  # loader workers (forkserver) import this file: train only when run
     main()

@@ -109,5 +109,6 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
+# tests/shared_ranks: this script may run on the shared ranks
 if __name__ == "__main__":
     main()

@@ -15,7 +15,8 @@ prefixes them. A rank that leaves with an error ends the other's job, as a launc
 A job runs for real instead when the shared ranks cannot stand for a fresh launch:
 - the test is about the launch itself (signals, kills, placement, the launcher's own output):
   ``launch(..., own_launch=True)``, and every ``start_job`` / ``stopped_by_sigterm``;
-- its program is not one known to run in a shared process (``SHARED_PROGRAMS``);
+- its program is not one that runs in a shared process: ``-m hvdtrain`` train, evaluate or bench,
+  or a script that carries ``SHARED_MARK``;
 - the ranks refuse it (server.OWN_LAUNCH): it starts Horovod with other settings (a longer
   timeout, the stall inspector, a timeline, elastic) or sets variables Horovod reads at its start.
 
@@ -40,13 +41,10 @@ from .server import OWN_LAUNCH
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
-# Scripts whose main() is guarded by __name__ == "__main__" and which leave the process as they found
-# it (no hvd.shutdown, no os._exit, no process-wide settings of their own).
-SHARED_SCRIPTS = {
-    TESTS / "parallel" / "probe.py",
-    TESTS / "parallel" / "recipe_probe.py",
-    TESTS / "parallel" / "state_probe.py",
-}
+# A script runs on the shared ranks when it says so in this line of its own: its work is guarded by
+# __name__ == "__main__" and leaves the process as it found it (no hvd.shutdown, no os._exit, no
+# patched hvdtrain function left in place, no process-wide setting of its own).
+SHARED_MARK = "# tests/shared_ranks: this script may run on the shared ranks"
 # `python -m hvdtrain <command>`: the commands that run a job on the ranks (no subcommand = train).
 SHARED_COMMANDS = {"train", "evaluate", "bench"}
 KINDS = {"horovodrun-gloo", "mpirun", "single"}
@@ -66,7 +64,10 @@ def accepts(kind: str, np_: int, program: list[str]) -> bool:
     if program[:2] == ["-m", "hvdtrain"]:
         first = program[2] if len(program) > 2 else ""
         return first.startswith("-") or "=" in first or first in SHARED_COMMANDS  # options only: train
-    return Path(program[0]).resolve() in SHARED_SCRIPTS
+    try:
+        return SHARED_MARK in Path(program[0]).read_text(errors="replace")
+    except OSError:
+        return False
 
 
 class SharedJob:
@@ -143,7 +144,13 @@ class SharedJob:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def abandon(self) -> None:
-        """The job is broken (a rank died or hangs): end all of it; the next test starts a new one."""
+        """The job is broken (a rank died or hangs): end all of it; the next test starts a new one.
+        The ranks first: horovodrun starts each in a process group of its own."""
+        for rank in self.ranks:
+            try:
+                os.kill(rank["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.process is not None:
             kill_group(self.process)
         self.channels, self.process = [], None
