@@ -250,7 +250,8 @@ def validate_published_recipes(cfg: Config) -> None:
     names = [part.strip() for part in optim.no_decay_names.split(",")]
     if optim.no_decay == "names" and not all(names):
         raise ConfigError(f"config key 'optim.no_decay_names': expected name substrings separated by commas, "
-                          f"e.g. bn, got '{optim.no_decay_names}'")
+                          f"e.g. bn, got '{optim.no_decay_names}' (weight decay on every parameter: "
+                          f"optim.no_decay=none)")
     if not 0 <= optim.bce_target_threshold < 1:
         raise ConfigError(f"config key 'optim.bce_target_threshold' must be in [0, 1) (0 = soft targets), "
                           f"got {optim.bce_target_threshold}")

@@ -156,7 +156,7 @@ class OptimConfig:
     nesterov: bool = True
     """Nesterov momentum."""
     weight_decay: float = 1e-4
-    """Applied to weights only: biases and normalization parameters get none."""
+    """L2 weight decay; which parameters get none is optim.no_decay's (by default biases and normalization parameters)."""
     warmup_epochs: float = 5.0
     """Linear warm-up to the scaled learning rate over this many epochs, from the rate optim.warmup_start says."""
     warmup_start: float = -1.0
@@ -167,8 +167,8 @@ class OptimConfig:
     """true: the cosine or poly decay runs from the end of the warm-up to the last epoch; false: it runs over the whole run from epoch 0 and the warm-up replaces its first epochs (timm's warmup_prefix=False)."""
     lr_step: Literal["step", "epoch", "epoch_warmup_end"] = "step"
     """How often the rate changes: step = every optimizer step; epoch = once per epoch, at the per-step schedule's value at the epoch's start (timm's schedulers); epoch_warmup_end = the same, except that each warm-up epoch takes the value the warm-up reaches at its end (NVIDIA DeepLearningExamples: peak x (epoch + 1) / warmup_epochs)."""
-    no_decay: Literal["ndim", "norm", "names"] = "ndim"
-    """Parameters without weight decay: ndim = every 1-d parameter (normalization and biases: MLPerf's reference, timm); norm = normalization layers only, biases decayed (Goyal et al., NVIDIA's MLPerf ResNet); names = those whose name contains one of optim.no_decay_names (FFCV and NVIDIA DeepLearningExamples: 'bn', which decays torchvision's downsample BatchNorm and the fc bias)."""
+    no_decay: Literal["ndim", "norm", "names", "none"] = "ndim"
+    """Parameters without weight decay: ndim = every 1-d parameter (normalization and biases: MLPerf's reference, timm); norm = normalization layers only, biases decayed (Goyal et al., NVIDIA's MLPerf ResNet); names = those whose name contains one of optim.no_decay_names (FFCV and NVIDIA DeepLearningExamples: 'bn', which decays torchvision's downsample BatchNorm and the fc bias); none = no exemption, weight decay on every parameter (torch.optim.SGD(model.parameters(), weight_decay=...): pytorch/examples' imagenet/main.py, torchvision's references)."""
     no_decay_names: str = "bn"
     """optim.no_decay=names: comma-separated substrings of parameter names exempt from weight decay."""
     schedule: Literal["step", "cosine", "poly", "constant"] = "step"

@@ -98,8 +98,11 @@ def decay_exempt(model: torch.nn.Module, rule: str = "ndim", names: str = "bn") 
     """The names of the parameters that get no weight decay (``optim.no_decay``): ``ndim`` = every
     1-d parameter (normalization and biases); ``norm`` = the parameters of normalization layers
     only (biases decayed); ``names`` = those whose name contains one of the comma-separated
-    substrings ``names`` (FFCV and NVIDIA: ``'bn' in name``). A substring that matches no parameter
+    substrings ``names`` (FFCV and NVIDIA: ``'bn' in name``); ``none`` = no parameter (every one
+    decayed, as ``SGD(model.parameters(), weight_decay=...)``). A substring that matches no parameter
     is refused in one line: a typo would otherwise decay everything."""
+    if rule == "none":
+        return set()
     named = dict(model.named_parameters())
     if rule == "ndim":
         return {name for name, param in named.items() if param.ndim <= 1}
@@ -158,6 +161,8 @@ def describe_exemption(model: torch.nn.Module, optim: OptimConfig) -> str:
     named = dict(model.named_parameters())
     vectors = sum(1 for name, param in named.items() if param.ndim <= 1)
     decayed_vectors = sorted(name for name, param in named.items() if param.ndim <= 1 and name not in exempt)
+    if optim.no_decay == "none":
+        return f"weight decay {optim.weight_decay:g} on every parameter ({len(named)} tensors, {vectors} of them 1-d)"
     rule = {"ndim": "every 1-d parameter", "norm": "normalization layers",
             "names": f"names containing {optim.no_decay_names!r}"}[optim.no_decay]
     shown = ", ".join(decayed_vectors[:3]) + (" ..." if len(decayed_vectors) > 3 else "")

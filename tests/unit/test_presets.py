@@ -161,6 +161,41 @@ def test_exemption_rules_on_resnet50(resnet50):
     assert by_name == {"fc.bias"} | {f"layer{i}.0.downsample.1.{p}" for i in range(1, 5) for p in ("weight", "bias")}
 
 
+def test_no_exemption_decays_every_parameter_as_sgd_over_model_parameters(resnet50):
+    """pytorch/examples' imagenet/main.py: SGD(model.parameters(), weight_decay=1e-4), every tensor decayed."""
+    assert decay_exempt(resnet50, "none") == set()
+    groups = param_groups(resnet50, 1e-4, no_decay="none")
+    decayed = [p for g in groups if g["weight_decay"] == 1e-4 for p in g["params"]]
+    assert len(decayed) == len(list(resnet50.parameters())) == 161
+    assert all(not g["params"] for g in groups if g["weight_decay"] == 0.0)
+    # One SGD step from the same gradients equals torch's SGD over model.parameters().
+    torch.manual_seed(0)
+    small = models.resnet18(num_classes=10)
+    reference = models.resnet18(num_classes=10)
+    reference.load_state_dict(small.state_dict())
+    for model in (small, reference):
+        torch.manual_seed(1)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    ours = build_optimizer(small, OptimConfig(no_decay="none", nesterov=False, weight_decay=1e-4), 0.1)
+    theirs = torch.optim.SGD(reference.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
+    ours.step()
+    theirs.step()
+    assert all(torch.equal(a, b) for a, b in zip(small.parameters(), reference.parameters()))
+
+
+def test_startup_line_says_every_parameter_is_decayed():
+    from hvdtrain.optim.build import describe_exemption
+
+    line = describe_exemption(models.resnet18(), OptimConfig(no_decay="none"))
+    assert line == "weight decay 0.0001 on every parameter (62 tensors, 41 of them 1-d)"
+
+
+def test_an_empty_name_list_points_to_no_decay_none():
+    with pytest.raises(ConfigError, match=r"optim.no_decay_names'.*got ''.*optim.no_decay=none"):
+        load_config(None, ["optim.no_decay=names", "optim.no_decay_names="])
+    assert load_config(None, ["optim.no_decay=none", "optim.no_decay_names="]).optim.no_decay == "none"
+
+
 def test_an_exempt_name_that_matches_nothing_is_refused_in_one_line(resnet50):
     with pytest.raises(ConfigError) as error:
         decay_exempt(resnet50, "names", "bn,batchnorm")
