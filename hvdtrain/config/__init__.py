@@ -14,7 +14,7 @@ key and what would have been valid.
 """
 
 from .keys import ConfigError
-from .checks import UPPER_BOUNDS, float_pair, step_range, target_value, validates_after
+from .checks import UPPER_BOUNDS, float_pair, milestone_epochs, step_range, target_value, validates_after
 from .files import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PACKAGED_CONFIGS, read_config_file, resolve_config_path
 from .load import (apply_mapping, apply_override, describe_keys, dump_yaml, flatten, from_dict, load_config,
                    migrate_moved_keys, to_dict, validate)
@@ -24,7 +24,7 @@ from .sections import (AmpConfig, AugmentConfig, CheckpointConfig, DataConfig, D
                        WandbConfig, MlflowConfig)
 
 __all__ = ["Config", "ConfigError", "load_config", "apply_override", "apply_mapping", "from_dict", "to_dict",
-           "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "step_range", "target_value",
+           "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range", "target_value",
            "validates_after", "PACKAGED_CONFIGS", "UPPER_BOUNDS", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH",
            "MOVED_KEYS", "config_type", "task_section", "migrate_moved_keys", "read_config_file",
            "resolve_config_path", "AmpConfig", "AugmentConfig", "CheckpointConfig", "DataConfig", "DistConfig",

@@ -167,6 +167,39 @@ def float_pair(key: str, text: str) -> tuple[float, float]:
     return low, high
 
 
+def milestone_epochs(text: str) -> tuple[float, ...]:
+    """``optim.step_milestones``: "30,60,80" -> (30.0, 60.0, 80.0), positive and increasing; "" -> ()."""
+    if not text.strip():
+        return ()
+    try:
+        epochs = tuple(float(Fraction(part)) for part in text.replace(" ", "").split(","))
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"config key 'optim.step_milestones': expected epochs separated by commas, e.g. 30,60,80, "
+                          f"got '{text}'") from None
+    if not all(epoch > 0 for epoch in epochs) or list(epochs) != sorted(set(epochs)):
+        raise ConfigError(f"config key 'optim.step_milestones': expected positive epochs in increasing order, "
+                          f"e.g. 30,60,80, got '{text}'")
+    return epochs
+
+
+def validate_step_schedule(optim) -> None:
+    """optim.step_every_epochs, optim.step_milestones and optim.step_gamma: the step schedule's own keys."""
+    milestones = milestone_epochs(optim.step_milestones)
+    if optim.step_every_epochs < 0:
+        raise ConfigError(f"config key 'optim.step_every_epochs' must be >= 0 (0 = off), got {optim.step_every_epochs}")
+    if optim.step_gamma <= 0:
+        raise ConfigError(f"config key 'optim.step_gamma' must be positive (0.1 = a tenth), got {optim.step_gamma}")
+    if milestones and optim.step_every_epochs:
+        raise ConfigError(f"optim.step_every_epochs={optim.step_every_epochs} and optim.step_milestones="
+                          f"{optim.step_milestones} both say when the rate steps: set one of the two")
+    changed = [key for key, on in (("optim.step_every_epochs", optim.step_every_epochs),
+                                   ("optim.step_milestones", milestones),
+                                   ("optim.step_gamma", optim.step_gamma != 0.1)) if on]
+    if changed and optim.schedule != "step":
+        raise ConfigError(f"{changed[0]} is a setting of the step schedule: it needs optim.schedule=step, "
+                          f"got {optim.schedule}")
+
+
 def validate_finetune_and_augment(cfg: Config) -> None:
     """The keys of the augment section, data.val_fraction, data.max_bad_fraction and optim.head_lr_mult."""
     aug = cfg.augment
@@ -247,6 +280,7 @@ def validate_published_recipes(cfg: Config) -> None:
     if optim.warmup_start_lr >= 0 and optim.warmup_start != -1:
         raise ConfigError(f"optim.warmup_start={optim.warmup_start:g} and optim.warmup_start_lr="
                           f"{optim.warmup_start_lr:g} both say where the warm-up starts: set one of the two")
+    validate_step_schedule(optim)
     names = [part.strip() for part in optim.no_decay_names.split(",")]
     if optim.no_decay == "names" and not all(names):
         raise ConfigError(f"config key 'optim.no_decay_names': expected name substrings separated by commas, "

@@ -172,7 +172,13 @@ class OptimConfig:
     no_decay_names: str = "bn"
     """optim.no_decay=names: comma-separated substrings of parameter names exempt from weight decay."""
     schedule: Literal["step", "cosine", "poly", "constant"] = "step"
-    """step: x0.1 at 30/60/80 of 90 epochs (scaled to train.epochs); cosine: to optim.end_lr; poly: (1 - progress)^optim.poly_power to optim.end_lr (MLPerf); constant: the peak rate after the warm-up, to the end."""
+    """step: x optim.step_gamma (0.1) at 30/60/80 of 90 epochs, scaled to train.epochs, or at the fixed epochs optim.step_milestones or optim.step_every_epochs say; cosine: to optim.end_lr; poly: (1 - progress)^optim.poly_power to optim.end_lr (MLPerf); constant: the peak rate after the warm-up, to the end."""
+    step_every_epochs: int = 0
+    """optim.schedule=step: multiply the rate by optim.step_gamma every this many epochs, counted from epoch 0 and fixed whatever train.epochs (torch's StepLR(step_size=30) stepped once per epoch: pytorch/examples' imagenet/main.py); 0 = off."""
+    step_milestones: str = ""
+    """optim.schedule=step: the epochs at which the rate is multiplied by optim.step_gamma, comma-separated and fixed whatever train.epochs (torch's MultiStepLR, e.g. 30,60,80); empty = 30, 60 and 80 of 90 epochs scaled to train.epochs (unless optim.step_every_epochs is set)."""
+    step_gamma: float = 0.1
+    """optim.schedule=step: the factor at each step (StepLR's and MultiStepLR's gamma)."""
     lr: float = 0.0
     """The peak learning rate as it is, not scaled by the global batch (what a DDP script passes as lr=); 0 = optim.base_lr scaled linearly by the global batch. With it set, a warm-up starts from zero unless optim.warmup_start or optim.warmup_start_lr say otherwise."""
     label_smoothing: float = 0.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError, OptimConfig
+from ..config import ConfigError, OptimConfig, milestone_epochs
 
 REFERENCE_BATCH = 256
 STEP_MILESTONES_OF_90 = (30, 60, 80)
@@ -37,6 +37,11 @@ class LRSchedule:
     poly_power: float = 2.0
     warmup_prefix: bool = True  # False: the decay runs over the whole run (timm's warmup_prefix=False)
     lr_step: str = "step"       # step, epoch or epoch_warmup_end (optim.lr_step)
+    # The step schedule: x step_gamma at each of these epochs, or every step_every_epochs epochs;
+    # neither = 30, 60 and 80 of 90 epochs, scaled to ``epochs``.
+    milestones: tuple[float, ...] = ()
+    step_every_epochs: int = 0
+    step_gamma: float = 0.1
 
     @classmethod
     def from_config(cls, optim: OptimConfig, global_batch: int, epochs: int, steps_per_epoch: int) -> "LRSchedule":
@@ -54,7 +59,14 @@ class LRSchedule:
         return cls(peak_lr=peak, start_lr=start, warmup_epochs=optim.warmup_epochs,
                    epochs=epochs, steps_per_epoch=steps_per_epoch, schedule=optim.schedule,
                    end_lr=optim.end_lr, poly_power=optim.poly_power, warmup_prefix=optim.warmup_prefix,
-                   lr_step=optim.lr_step)
+                   lr_step=optim.lr_step, milestones=milestone_epochs(optim.step_milestones),
+                   step_every_epochs=optim.step_every_epochs, step_gamma=optim.step_gamma)
+
+    def step_milestones(self) -> tuple[float, ...]:
+        """The epochs at which the step schedule multiplies the rate by ``step_gamma`` (up to ``epochs``)."""
+        if self.step_every_epochs:
+            return tuple(float(e) for e in range(self.step_every_epochs, self.epochs, self.step_every_epochs))
+        return self.milestones or tuple(self.epochs * m / 90 for m in STEP_MILESTONES_OF_90)
 
     def __call__(self, step: int) -> float:
         return lr_at(step, self)
@@ -75,8 +87,12 @@ def lr_at(step: int, sched: LRSchedule) -> float:
     if sched.schedule == "constant":
         return sched.peak_lr
     if sched.schedule == "step":
-        passed = sum(epoch >= sched.epochs * m / 90 for m in STEP_MILESTONES_OF_90)
-        return sched.peak_lr * 0.1 ** passed
+        if sched.step_every_epochs:  # StepLR: gamma ** (epoch // step_size), whatever the run's length
+            passed = int(epoch // sched.step_every_epochs)
+        else:
+            milestones = sched.milestones or tuple(sched.epochs * m / 90 for m in STEP_MILESTONES_OF_90)
+            passed = sum(epoch >= m for m in milestones)
+        return sched.peak_lr * sched.step_gamma ** passed
     # The decay runs from the end of the warm-up (warmup_prefix), or over the whole run from epoch 0
     # with the warm-up in place of its first epochs (timm's default).
     decay_start = sched.warmup_epochs if sched.warmup_prefix else 0.0

@@ -168,9 +168,8 @@ def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> st
     last_warm = lr_at(max(math.ceil(optim.warmup_epochs * steps) - 1, 0), schedule)
     stepping = {"step": "every step", "epoch": "once per epoch",
                 "epoch_warmup_end": "once per epoch, warm-up epochs at their end value"}[optim.lr_step]
-    milestones = ", ".join(f"{cfg.train.epochs * m / 90:g}" for m in (30, 60, 80))
-    decay = optim.schedule + {"step": f" x0.1 at epochs {milestones}", "constant": ""}.get(optim.schedule,
-                                                                                           f" to {optim.end_lr:g}")
+    decay = optim.schedule + {"step": f" {step_milestones_text(optim, schedule)}",
+                              "constant": ""}.get(optim.schedule, f" to {optim.end_lr:g}")
     decay += "" if optim.warmup_prefix or optim.schedule == "step" else " over the whole run (warm-up inside it)"
     size = val_image_size(cfg.data)
     model_cfg = cfg.model
@@ -189,6 +188,19 @@ def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> st
             f"({cfg.data.val_interpolation}){', flip averaged' if cfg.eval.flip else ''}, "
             + ("every epoch" if every == 1 else f"after epochs {cfg.eval.offset_epochs + 1}, "
                f"{cfg.eval.offset_epochs + 1 + every}, ... and the last"))
+
+
+def step_milestones_text(optim, schedule: LRSchedule) -> str:
+    """Where the step schedule steps, as the recipe line says it: 'x0.1 every 30 epochs (at 30, 60 of
+    90)', 'x0.1 at epochs 30, 60, 80 (fixed)' or 'x0.1 at epochs 6.667, 13.33, 17.78 (30/60/80 of 90,
+    scaled)'."""
+    at = ", ".join(f"{m:.4g}" for m in schedule.step_milestones()) or "none within the run"
+    factor = f"x{optim.step_gamma:g}"
+    if optim.step_every_epochs:
+        return f"{factor} every {optim.step_every_epochs} epochs (at {at} of {schedule.epochs})"
+    if schedule.milestones:
+        return f"{factor} at epochs {at} (fixed)"
+    return f"{factor} at epochs {at} (30/60/80 of 90, scaled to {schedule.epochs})"
 
 
 def add_recipe_state(run: Run) -> None:

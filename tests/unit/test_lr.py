@@ -79,3 +79,71 @@ def test_warmup_start_as_a_fraction_of_the_peak():
                                                    schedule="cosine"), 64, 8, 10)
         assert sched.peak_lr == pytest.approx(0.1) and lr_at(0, sched) == pytest.approx(first)
         assert lr_at(10, sched) == pytest.approx((first + 0.1) / 2) and lr_at(20, sched) == pytest.approx(0.1)
+
+
+# --- the step schedule at fixed epochs (torch's StepLR and MultiStepLR) ----------------------------
+
+def torch_rates(make_scheduler, epochs: int, lr: float = 0.1) -> list[float]:
+    """The rate of each epoch under one of torch's own schedulers, stepped once per epoch as
+    pytorch/examples' imagenet/main.py steps its StepLR (after the epoch's training)."""
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = make_scheduler(optimizer)
+    rates = []
+    for _ in range(epochs):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def fixed_step(epochs: int, steps: int, **optim) -> LRSchedule:
+    return LRSchedule.from_config(OptimConfig(lr=0.1, warmup_epochs=0, schedule="step", **optim), 256, epochs, steps)
+
+
+@pytest.mark.parametrize("epochs", [90, 3, 100])
+def test_step_every_epochs_is_torchs_steplr_whatever_the_run_length(epochs):
+    from torch.optim.lr_scheduler import StepLR
+
+    expected = torch_rates(lambda opt: StepLR(opt, step_size=30, gamma=0.1), epochs)
+    sched = fixed_step(epochs, 23, step_every_epochs=30)
+    for epoch in range(epochs):
+        for step in (epoch * 23, epoch * 23 + 11, epoch * 23 + 22):  # constant through each epoch
+            assert lr_at(step, sched) == pytest.approx(expected[epoch], rel=1e-12), (epoch, step)
+    assert sched.step_milestones() == tuple(float(e) for e in range(30, epochs, 30))
+
+
+def test_step_milestones_are_torchs_multisteplr_and_do_not_scale():
+    from torch.optim.lr_scheduler import MultiStepLR
+
+    for epochs in (90, 40):
+        expected = torch_rates(lambda opt: MultiStepLR(opt, milestones=[30, 60, 80], gamma=0.5), epochs)
+        sched = fixed_step(epochs, 10, step_milestones="30,60,80", step_gamma=0.5)
+        assert [lr_at(e * 10, sched) for e in range(epochs)] == pytest.approx(expected, rel=1e-12)
+    # The default still scales 30/60/80 of 90 to the run's length.
+    assert fixed_step(9, 10).step_milestones() == pytest.approx((3.0, 6.0, 8.0))
+    assert lr_at(30, fixed_step(9, 10)) == pytest.approx(0.01)
+
+
+def test_step_schedule_after_a_warmup_counts_epochs_from_zero():
+    sched = LRSchedule.from_config(OptimConfig(lr=0.4, warmup_epochs=2, warmup_start=0.0, schedule="step",
+                                               step_every_epochs=3), 1024, 10, 10)
+    assert [lr_at(e * 10, sched) for e in range(8)] == pytest.approx([0, 0.2, 0.4, 0.04, 0.04, 0.04, 0.004, 0.004])
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.step_every_epochs=30", "optim.step_milestones=30,60"], "set one of the two"),
+    (["optim.step_milestones=60,30"], "positive epochs in increasing order"),
+    (["optim.step_milestones=30,x"], "expected epochs separated by commas"),
+    (["optim.step_every_epochs=-1"], "optim.step_every_epochs' must be >= 0"),
+    (["optim.step_gamma=0"], "optim.step_gamma' must be positive"),
+    (["optim.schedule=cosine", "optim.step_every_epochs=30"], "needs optim.schedule=step, got cosine"),
+    (["optim.schedule=poly", "optim.step_gamma=0.5"], "optim.step_gamma is a setting of the step schedule"),
+])
+def test_bad_step_settings_get_one_line(overrides, words):
+    from hvdtrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert words in str(error.value) and "\n" not in str(error.value)
