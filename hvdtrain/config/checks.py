@@ -66,6 +66,10 @@ def check_core(cfg: Config) -> None:
     if cfg.runtime.cpu_affinity == "rank" and cfg.elastic.enabled:
         raise ConfigError("runtime.cpu_affinity=rank cannot be used with elastic.enabled=true (the ranks on a host "
                           "change as workers come and go): leave it at auto or none")
+    if not cfg.train.drop_last and cfg.train.backward_passes_per_step > 1:
+        raise ConfigError(f"train.drop_last=false needs train.backward_passes_per_step=1 (got "
+                          f"{cfg.train.backward_passes_per_step}): a partial batch among accumulated passes would "
+                          "weigh its samples more than the others'; set train.drop_last=true")
     if cfg.train.global_batch_size and cfg.elastic.enabled:
         raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} cannot be used with "
                           "elastic.enabled=true (an elastic run keeps train.batch_size per rank as ranks come and "

@@ -137,6 +137,8 @@ class TrainConfig:
     """Samples per optimizer step, all ranks together; 0 = train.batch_size x ranks x train.backward_passes_per_step. Set one of the two: with this set, train.batch_size follows from the number of ranks (printed at start-up; refused in one line where it does not divide, or where an explicit train.batch_size disagrees)."""
     steps_per_epoch: int = 0
     """Optimizer steps per epoch; 0 = the whole epoch (a cap for quick runs)."""
+    drop_last: bool = True
+    """Leave out each epoch's last partial batch (every step a whole global batch); false = train on it too, as DistributedSampler and DataLoader's default do (pytorch/examples' imagenet/main.py): the epoch's order is padded by wrapping around to a multiple of the ranks (at most ranks - 1 samples seen twice), so that every rank's last batch has the same size and the average of the ranks' gradients is the mean over that smaller global batch. Elastic runs always keep it. Validation counts every sample once either way."""
     backward_passes_per_step: int = 1
     """Batches accumulated locally before each allreduce and optimizer step."""
     target: float = 0.0

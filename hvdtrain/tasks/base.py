@@ -39,7 +39,8 @@ class DataEnv:
     allgather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Run a block on one process per host first (e.g. generating a dataset), the others after it.
     local_rank_zero_first: Callable[[], ContextManager] = contextlib.nullcontext
-    # Keep the last partial batch (elastic runs re-split an epoch's remaining samples).
+    # Keep the last partial batch (train.drop_last=false; elastic runs, which re-split an epoch's
+    # remaining samples). A padded ShardedSampler gives every rank the same number of samples.
     keep_partial_batches: bool = False
     # The training device (a task may prepare batches for it, e.g. decode images there).
     device: torch.device = torch.device("cpu")

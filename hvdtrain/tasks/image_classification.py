@@ -164,8 +164,9 @@ class ImageClassification(Task):
         fail = data.on_bad_file == "fail"
         # A private generator: creating an iterator must not consume the global torch RNG, or a run
         # resumed mid-epoch would see different random numbers than an uninterrupted one.
-        # Elastic runs keep the last partial batch: after a change in the number of ranks the rest of
-        # an epoch need not be a whole number of global batches, and no image may be left out.
+        # The last partial batch is kept with train.drop_last=false (the sampler's padding gives every
+        # rank the same number), and always in elastic runs: after a change in the number of ranks the
+        # rest of an epoch need not be a whole number of global batches, and no image may be left out.
         train = CountingLoader(DataLoader(SeededSamples(train_set), batch_size=batch, sampler=train_sampler,
                                           drop_last=not env.keep_partial_batches, collate_fn=collate,
                                           generator=torch.Generator().manual_seed(cfg.seed), **kwargs), fail)
@@ -204,7 +205,10 @@ class ImageClassification(Task):
 
         cfg, data = self.cfg, self.cfg.data
         if env.keep_partial_batches:
-            raise ConfigError("elastic.enabled=true does not read shards yet: use data.format=folder")
+            raise ConfigError("elastic.enabled=true does not read shards yet: use data.format=folder"
+                              if cfg.elastic.enabled else "train.drop_last=false does not apply to tar shards (each "
+                              "rank reads its own shards and leaves its remainder out): set train.drop_last=true, "
+                              "or use data.format=folder")
         manifest = read_manifest(data.dir)
         self.num_classes = cfg.model.num_classes or len(manifest.classes)
         train, val, stream = shards.shard_loaders(

@@ -15,6 +15,7 @@ from ..comm import dist
 from ..config import Config, ConfigError, TrainConfig
 from ..data import DataError
 from ..data.loaders import Loaders
+from ..data.sampler import ShardedSampler
 from ..model.finetune import apply_freeze
 from ..optim.build import LRSchedule, build_optimizer as build_named_optimizer
 from ..model.sync_bn import convert_sync_batchnorm
@@ -66,7 +67,7 @@ def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loader
                   broadcast_object=None if elastic else dist.broadcast_object,
                   allgather=None if elastic else dist.allgather,
                   local_rank_zero_first=contextlib.nullcontext if elastic else dist.local_rank_zero_first,
-                  keep_partial_batches=elastic, device=device,
+                  keep_partial_batches=elastic or not cfg.train.drop_last, device=device,
                   ranks_on_host=dist.local_size() if dist.initialized() else 1)
     loaders = task.build_loaders(env)
     passes = cfg.train.backward_passes_per_step
@@ -78,6 +79,22 @@ def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loader
                         f"{dist.size()} ranks x {cfg.train.batch_size} samples x {passes} passes "
                         f"(lower train.batch_size or use fewer ranks)")
     return loaders, steps_per_epoch, cfg.train.batch_size * dist.size() * passes
+
+
+def last_batch_note(cfg: Config, loaders: Loaders, world_size: int) -> str:
+    """What happens to the epoch's last partial batch, for the start-up line: '' when there is none
+    (or the loader says nothing of its length), else kept (train.drop_last=false) or left out."""
+    sampler, batch = loaders.train_sampler, cfg.train.batch_size
+    if not isinstance(sampler, ShardedSampler) or not sampler.pad:
+        return ""
+    per_rank = len(sampler)
+    if not per_rank % batch or cfg.train.steps_per_epoch:
+        return ""
+    if not cfg.train.drop_last:
+        padded = per_rank * world_size - loaders.train_size
+        return (f" (the last one {per_rank % batch}/rank x {world_size} ranks: train.drop_last=false"
+                + (f", {padded} sample(s) seen twice to even out the ranks)" if padded else ")"))
+    return f" ({(per_rank % batch) * world_size} samples of the last partial batch left out: train.drop_last=true)"
 
 
 def resolve_batch_size(cfg: Config, world_size: int) -> None:

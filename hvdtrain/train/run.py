@@ -20,7 +20,7 @@ from ..checkpoint import io as checkpoint
 from ..comm import dist
 from ..observe import tracking
 from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
-                       pick_device, threads_per_rank, wants_gpu)
+                       last_batch_note, pick_device, threads_per_rank, wants_gpu)
 from ..config import Config, ConfigError, step_range, target_value
 from ..data.files.bad_files import vanished_classes
 from ..data.loaders import Loaders
@@ -144,7 +144,8 @@ def setup(cfg: Config, writes: bool = True) -> Run:
         given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
         log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
             f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
-            f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch; "
+            f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch"
+            f"{'' if cfg.elastic.enabled else last_batch_note(cfg, loaders, world_size)}; "
             f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
             + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
         if task.name == "image_classification":
