@@ -115,6 +115,9 @@ def fit_config(cfg: Config) -> FitResult:
     path (simple.py) builds its own."""
     with one_line_errors():
         check_task(cfg)
+        from .train.preflight import check_before_launch
+
+        check_before_launch(cfg)  # what the ranks would refuse of the model, before Horovod starts
         code, run, last = train(cfg)
         if code:
             raise SystemExit(code)

@@ -27,6 +27,11 @@ def launcher_rank() -> int:
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    from .train.preflight import check_before_launch  # torch, not Horovod
+
+    # What the ranks would refuse once they have the model (a weight-decay exemption that names no
+    # parameter, say) is refused here, in one line, before Horovod starts.
+    check_before_launch(cfg)
     if args.print_config:
         if launcher_rank() == 0:
             print(dump_yaml(cfg), end="")

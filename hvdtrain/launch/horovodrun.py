@@ -32,6 +32,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from ..train.preflight import check_train_args, hvdtrain_train_args
+
 TOKEN_VARIABLE = "HVDTRAIN_LAUNCH_TOKEN"
 RECORD = "hvdtrain-exit"
 MEANINGS = {
@@ -240,6 +242,26 @@ def local_ranks(launcher_pid: int, token: str) -> list[int]:
     return found
 
 
+# horovodrun's options that take no value (horovod/runner/launch.py's store_true and override
+# actions); every other option takes the next word, unless written --option=value.
+HOROVODRUN_FLAGS = frozenset({
+    "--autotune", "--no-autotune", "--check-build", "-cb", "--disable-cache", "--gloo", "--mpi", "--jsrun",
+    "--tcp", "--verbose", "--version", "--hierarchical-allgather", "--no-hierarchical-allgather",
+    "--hierarchical-allreduce", "--no-hierarchical-allreduce", "--torus-allreduce", "--no-torus-allreduce",
+    "--log-hide-timestamp", "--no-log-hide-timestamp", "--log-with-timestamp", "--log-without-timestamp",
+    "--prefix-output-with-timestamp", "-prefix-timestamp", "--mpi-threads-disable", "--no-mpi-threads-disable",
+    "--stall-check", "--no-stall-check", "--timeline-mark-cycles", "--no-timeline-mark-cycles"})
+
+
+def horovodrun_command(argv: list[str]) -> list[str]:
+    """The command horovodrun's arguments start (what follows its options and their values)."""
+    index = 0
+    while index < len(argv) and argv[index].startswith("-"):
+        option = argv[index]
+        index += 1 if option in HOROVODRUN_FLAGS or "=" in option else 2
+    return argv[index:]
+
+
 def horovodrun() -> str:
     beside = Path(sys.executable).with_name("horovodrun")
     return str(beside) if beside.exists() else "horovodrun"
@@ -254,6 +276,21 @@ def main(argv: list[str]) -> int:
     except LaunchError as error:
         print(f"hvdtrain launch: error: {error}", file=sys.stderr, flush=True)
         return 2
+    train_args = hvdtrain_train_args(horovodrun_command(argv))
+    if train_args is not None:
+        # The config of the hvdtrain command it starts, checked as its ranks will check it (the
+        # model's parameter names included, train/preflight.py): a mistake is one line, before
+        # horovodrun has started a rank, in the launcher's own last line (exit 2).
+        try:
+            check_train_args(train_args, "hvdtrain launch ... python -m hvdtrain", own_tasks=False)
+        except Exception as error:
+            from ..outcome import user_errors
+
+            if not isinstance(error, user_errors()):
+                raise
+            print(f"hvdtrain launch: exit 2 ({MEANINGS[2]}), before any rank started: error: {error}",
+                  file=sys.stderr, flush=True)
+            return 2
     argv, cache_note = without_home_cache(argv)
     for line in (note, cache_note):
         if line:

@@ -103,11 +103,9 @@ def parse_args(argv: list[str]) -> Options:
 def check_train_args(train_args: list[str]) -> None:
     """The train arguments as the ranks will read them, checked here first: a typo in a key is one
     line now, not a line per rank after the cluster has started every actor."""
-    from ..arguments import require_data_choice, train_parser
-    from ..config import load_config
+    from ..train.preflight import check_train_args as check
 
-    args = train_parser("hvdtrain ray -- ").parse_args(train_args)
-    require_data_choice(args.config, load_config(args.config, args.overrides))
+    check(train_args, "hvdtrain ray -- ")
 
 
 # --- rank assignment (pure: unit-tested without Ray) -------------------------------------------

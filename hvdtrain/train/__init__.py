@@ -1,3 +1,4 @@
 """The training loop: the Trainer (trainer.py), a step and an epoch (engine.py), building and resuming
 a run (run.py, builders.py), its state (state.py), its checkpoints (save.py), the end of an epoch
-(outputs.py), early stops (stops.py) and its folder (run_folder.py)."""
+(outputs.py), early stops (stops.py), its folder (run_folder.py) and the checks made before any rank
+starts (preflight.py)."""

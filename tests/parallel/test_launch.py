@@ -27,21 +27,33 @@ def last_line(output: str) -> str:
     return [line for line in output.splitlines() if line.strip()][-1]
 
 
-@pytest.mark.parametrize("controller", ["--gloo", "--mpi"])
-def test_bad_config_exits_2_with_the_cause_last_and_no_traceback(controller, tiny_data, tmp_path):
+def test_bad_config_exits_2_before_any_rank_starts(tiny_data, tmp_path):
+    """A config error is refused by the launcher itself (train/preflight.py), before horovodrun starts."""
     program = ["-m", "hvdtrain", *tiny(tiny_data, tmp_path / "run", "train.epochs=abc")]
+    result = run(launched("--gloo", program), tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert last_line(result.stderr) == ("hvdtrain launch: exit 2 (bad configuration or data), before any rank "
+                                        "started: error: config key 'train.epochs' expects int, got 'abc'")
+    assert "Traceback" not in output and output.count("expects int, got 'abc'") == 1
+    # What hvdtrain launch mends: horovodrun's 1 and its own traceback.
+    plain = run([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", str(BIN / "python"), *program],
+                tmp_path)
+    assert plain.returncode == 1 and "Traceback (most recent call last)" in plain.stderr
+    assert "expects int, got 'abc'" not in last_line(plain.stderr)
+
+
+@pytest.mark.parametrize("controller", ["--gloo", "--mpi"])
+def test_bad_data_exits_2_with_the_cause_last_and_no_traceback(controller, tmp_path):
+    """An error only the ranks can see (the data is where they run): rank 0's exit record."""
+    missing = tmp_path / "no-such-data"
+    program = ["-m", "hvdtrain", "--config", "debug", f"data.dir={missing}", f"output.dir={tmp_path / 'run'}"]
     result = run(launched(controller, program), tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert last_line(result.stderr) == ("hvdtrain launch: exit 2 (bad configuration or data), rank 0: error: "
-                                        "config key 'train.epochs' expects int, got 'abc'")
+    last = last_line(result.stderr)
+    assert last.startswith("hvdtrain launch: exit 2 (bad configuration or data), rank 0: error: ") and str(missing) in last
     assert "Traceback" not in output and "hvdtrain-exit" not in output
-    assert output.count("expects int, got 'abc'") == 2  # rank 0's own line, and the launcher's last
-    if controller == "--gloo":  # what hvdtrain launch mends: horovodrun's 1 and its own traceback
-        plain = run([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", str(BIN / "python"),
-                     *program], tmp_path)
-        assert plain.returncode == 1 and "Traceback (most recent call last)" in plain.stderr
-        assert "expects int, got 'abc'" not in last_line(plain.stderr)
 
 
 def test_mpirun_already_returns_the_ranks_code(tiny_data, tmp_path):

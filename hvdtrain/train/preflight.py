@@ -1,0 +1,86 @@
+"""The checks a rank would make of the model and the task, made before any rank starts.
+
+A config can be valid key by key and still be refused by the ranks once they have built the model:
+a weight-decay exemption or a freeze pattern that names no parameter, a classifier head that is not
+there, a metric the task does not declare for best.pt or train.target. On the ranks that is tens of
+seconds in (the launcher, Horovod, the file index, the loaders), with the launcher's output around
+it. Here it is the same one line, before the launch: the model is built on the meta device (its
+parameter names and shapes, no memory, no initialization cost) and the same functions the ranks
+call refuse what they would refuse.
+
+Called by ``--print-config``, by each rank's ``train`` command before it imports Horovod, by
+``hvdtrain launch`` and ``hvdtrain ray`` on the command they start (``check_train_args``), and by
+``fit``/``fit_model`` before Horovod starts. Only the built-in image task is built here: the
+recommender's model depends on its data, and a task of one's own may build anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..config import Config, ConfigError
+
+
+def check_before_launch(cfg: Config) -> None:
+    """Raise the ConfigError a rank would raise at start-up on this config's model and task settings."""
+    if cfg.task != "image_classification":
+        return
+    import torch
+
+    from ..model.build import build_model
+    from ..model.finetune import apply_freeze
+    from ..optim.build import optimizer_groups
+    from ..tasks import metric_direction
+    from ..tasks.image_classification import ImageClassification
+
+    task = ImageClassification(cfg)
+    metric_direction(task, cfg.checkpoint.best_metric or task.best_metric, "checkpoint.best_metric")
+    if cfg.train.target_metric:
+        metric_direction(task, cfg.train.target_metric, "train.target_metric")
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.model.num_classes or 1000)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 -- a model that cannot be built on the meta device: the ranks check it
+        return
+    apply_freeze(model, cfg.model.freeze, cfg.model.arch)
+    optimizer_groups(model, cfg.optim)
+
+
+def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -> None:
+    """A train command's arguments (``--config FILE``, ``key=value``...) as its ranks will read them,
+    checked here: the config, the data choice and ``check_before_launch``. ``own_tasks=False``: a
+    config whose task is not a shipped one is left to the ranks (its module may be importable only
+    where they run: another PYTHONPATH, files on the compute nodes)."""
+    from ..arguments import require_data_choice, train_parser
+    from ..config import load_config
+    from ..tasks.registry import TASKS
+
+    args = train_parser(prog).parse_args(train_args)
+    if not own_tasks and load_config(args.config, args.overrides, check=False).task not in TASKS:
+        return
+    cfg = load_config(args.config, args.overrides)
+    require_data_choice(args.config, cfg)
+    check_before_launch(cfg)
+
+
+def hvdtrain_train_args(command: list[str]) -> list[str] | None:
+    """The train arguments of a command that starts hvdtrain's train command (``python -m hvdtrain
+    [train] ARGS``, ``hvdtrain [train] ARGS``), or None for any other program or hvdtrain command."""
+    if not command:
+        return None
+    name = os.path.basename(command[0])
+    if name.startswith("python") and command[1:3] == ["-m", "hvdtrain"]:
+        rest = command[3:]
+    elif name == "hvdtrain":  # the console script
+        rest = command[1:]
+    else:
+        return None
+    from ..cli import COMMANDS, HELP_WORDS, looks_like_command
+
+    if rest and rest[0] == "train":
+        return rest[1:]
+    if rest and (rest[0] in COMMANDS or rest[0] in HELP_WORDS or looks_like_command(rest[0])):
+        return None
+    return rest
