@@ -119,6 +119,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
                               run_dir)
 
 
+def tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The run's TensorBoard scalars as TensorBoard itself reads them (its EventAccumulator, which
+    applies the purge marks of resumed runs): tag -> [(global step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def final_states(probe_dir: Path) -> list[dict]:
     return [torch.load(probe_dir / f"rank{r}.pt", weights_only=False)["state"] for r in range(2)]
 

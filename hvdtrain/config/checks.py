@@ -31,6 +31,7 @@ def check_core(cfg: Config) -> None:
         "data.val_resize": cfg.data.val_resize,
         "runtime.threads": cfg.runtime.threads,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "output.progress_every_steps": cfg.output.progress_every_steps,
         "runtime.audit_every": cfg.runtime.audit_every,
         "amp.max_skipped_steps": cfg.amp.max_skipped_steps,
         "dist.timeout_seconds": cfg.dist.timeout_seconds,

@@ -286,7 +286,9 @@ class OutputConfig:
     dir: str = "auto"
     """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under Slurm (a requeued job keeps its id, and so its folder), runs/hvdtrain elsewhere (train/run_folder.py)."""
     progress: bool = True
-    """Progress per epoch on rank 0: a bar on a terminal, a line every 10% when output is piped."""
+    """Progress per epoch on rank 0: a bar on a terminal, a line when output is piped (every 10% of the epoch, at most every 10 s, or as output.progress_every_steps says), with the epoch's running training loss and metric on rank 0's samples."""
+    progress_every_steps: int = 0
+    """A progress line every this many optimizer steps (main.py's --print-freq), and the bar's loss and metric updated as often; 0 = every 10% of the epoch, at most every 10 s."""
     tensorboard: bool = True
     """tensorboardX scalars under <output.dir>/tb."""
     share: Literal["private", "group"] = "private"
@@ -348,7 +350,7 @@ class TrackingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     every_steps: int = 10
-    """Send the step-level train loss, learning rate and images/s every this many optimizer steps; 0 = epoch records only."""
+    """Send the step-level train loss (and the task's metrics), learning rate and images/s every this many optimizer steps, to the trackers and to TensorBoard (train_step/..., keyed by the global step); 0 = epoch records only."""
     log_checkpoints: Literal["none", "best", "last"] = "none"
     """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
     flush_seconds: float = 60.0

@@ -7,7 +7,9 @@ and the job reduces the sums, never per-rank means: with uneven shards a mean of
 from __future__ import annotations
 
 import json
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,12 +82,54 @@ def summary_writer_class() -> type:
     return SummaryWriter
 
 
+def step_values(now: torch.Tensor, mark: torch.Tensor, summarize: Callable[[torch.Tensor], dict[str, Any]], lr: float,
+                samples_per_sec: float) -> dict[str, float]:
+    """The step-level curve point (TensorBoard's and the trackers' ``train_step/...``): the task's
+    metrics of the sums accumulated between ``mark`` and ``now`` (rank 0's share of the steps since
+    the last point), the learning rate of the last step and the samples/s of all ranks."""
+    values = {f"train_step/{key}": value for key, value in summarize(now - mark).items()
+              if key != "samples" and isinstance(value, (int, float)) and math.isfinite(value)}
+    values.update({"train_step/lr": lr, "train_step/samples_per_sec": samples_per_sec})
+    return values
+
+
+class StepCurves:
+    """Every ``every`` optimizer steps, a point of the step-level curves in TensorBoard, keyed by the
+    global step: ``step_values`` of the steps since the last point (rank 0's training sums; the
+    trackers send the same values, observe/tracking.py). Reading the sums waits for the device once
+    per point, not per step."""
+
+    def __init__(self, every: int, writer: "MetricsWriter"):
+        self.every, self.writer = every, writer
+        self.mark: tuple[int, float, torch.Tensor] | None = None  # (step, time, rank 0's sums) at the last point
+        self.last_point = -1
+
+    def start_epoch(self, step: int, sums: "MetricSums") -> None:
+        self.mark = (step, time.perf_counter(), sums.local())
+
+    def after_step(self, step: int, sums: "MetricSums", summarize: Callable, lr: float, global_batch: int) -> None:
+        if not self.every or step % self.every or self.mark is None or step <= self.last_point:
+            return  # (an elastic rollback trains steps again: their points are written already)
+        now, local = time.perf_counter(), sums.local()
+        mark_step, mark_time, mark_sums = self.mark
+        speed = (step - mark_step) * global_batch / max(now - mark_time, 1e-9)
+        self.writer.write_step(step, step_values(local, mark_sums, summarize, lr, speed))
+        self.mark, self.last_point = (step, now, local), step
+
+
 class MetricsWriter:
     """metrics.jsonl (one object per split per epoch), its per-rank part in metrics_ranks.jsonl
     (``by_rank``, every straggler: rank_logs.split_record; rank_logs.read_records joins them) and
-    tensorboardX scalars, on rank 0 only."""
+    tensorboardX scalars, on rank 0 only.
 
-    def __init__(self, run_dir: Path, tensorboard: bool, share: str = PRIVATE):
+    TensorBoard's x axis is the global optimizer step everywhere: the step-level curves
+    (``write_step``) at their step, each epoch's record at the step of the epoch's end, so that the
+    legs of a resumed run join up. A run that resumes from step ``start_step`` opens its event file
+    with TensorBoard's purge mark just after it: points a crashed leg wrote past its last
+    checkpoint, which this leg trains again, are hidden (tensorboardX's ``purge_step``); those up to
+    the checkpoint stay."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, share: str = PRIVATE, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
         self.ranks_path = run_dir / RANKS_FILE
         self.share = share
@@ -96,7 +140,10 @@ class MetricsWriter:
 
             # tensorboardX writes its own files: into a folder of this user's that nobody else can write
             own_folder(run_dir / "tb", share, what="tensorboard folder", fix="set output.dir=/a/folder/of/yours")
-            self.tb = SummaryWriter(logdir=str(run_dir / "tb"))
+            # The suffix orders the legs' files by their start even within one second (the file
+            # name's time has whole seconds), which TensorBoard's reader follows.
+            self.tb = SummaryWriter(logdir=str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None,
+                                    filename_suffix=f".step{start_step:012d}")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; a write that fails (a full disk, a quota, a vanished mount) costs the
@@ -110,15 +157,29 @@ class MetricsWriter:
                     handle.write(json.dumps(value, sort_keys=False) + "\n")
             except OSError as error:
                 self.failed(path.name, error)
-        if self.tb is not None:
+        if self.tb is not None and record.get("split") in ("train", "val"):
             try:
-                split = record["split"]
+                split, step = record["split"], record["step"]
                 for key, value in record.items():
-                    if key not in ("split", "epoch", "step") and isinstance(value, (int, float)):
-                        self.tb.add_scalar(f"{split}/{key}", value, global_step=record["epoch"])
+                    if key not in ("split", "epoch", "step") and isinstance(value, (int, float)) \
+                            and not isinstance(value, bool):
+                        self.tb.add_scalar(f"{split}/{key}", value, global_step=step)
+                if split == "train":  # which epoch ended at this step (1-based, as the epoch line says)
+                    self.tb.add_scalar("epoch", record["epoch"] + 1, global_step=step)
                 self.tb.flush()
             except OSError as error:
                 self.failed("tensorboard", error)
+
+    def write_step(self, step: int, values: dict[str, float]) -> None:
+        """One point of the step-level curves (StepCurves); flushed with the next epoch's record or
+        by tensorboardX's own timer."""
+        if self.tb is None:
+            return
+        try:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, global_step=step)
+        except OSError as error:
+            self.failed("tensorboard", error)
 
     def failed(self, output: str, error: OSError) -> None:
         self.lost[output] = self.lost.get(output, 0) + 1

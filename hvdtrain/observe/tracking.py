@@ -7,7 +7,7 @@ What is sent (x axis: the global optimizer step everywhere):
   W&B config ``env`` / MLflow tags ``hvdtrain.*``;
 * every ``tracking.every_steps`` steps: ``train_step/loss`` (and the task's other metrics) of rank
   0's share of the steps since the last point, ``train_step/lr`` and ``train_step/samples_per_sec``
-  (all ranks);
+  (all ranks): the values TensorBoard gets too (observe/metrics.py, ``step_values``);
 * every epoch record of metrics.jsonl, numeric values only, as ``train/<key>`` and ``val/<key>``
   (the names of tensorboard's scalars) with ``epoch``, at the step the record carries;
 * checkpoints as artifacts (``tracking.log_checkpoints``).
@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import math
 import multiprocessing
 import os
 import queue
@@ -48,6 +47,7 @@ from typing import Any, Callable
 from ..config import Config, ConfigError, flatten, to_dict
 from ..ownership import own_folder
 from ..redact import has_password, mask_values
+from .metrics import step_values
 from .tracking_sender import STEP_KEY, Sender, first_line
 
 QUEUE_SIZE = 1000
@@ -358,10 +358,7 @@ def entry(item: tuple) -> tuple[int, float, dict[str, float]]:
     if item[0] == "log":
         return item[1], item[2], item[3]
     _, step, stamp, local, mark_sums, summarize, lr, samples_per_sec = item
-    values = {f"train_step/{key}": value for key, value in summarize(local - mark_sums).items()
-              if key != "samples" and isinstance(value, (int, float)) and math.isfinite(value)}
-    values.update({"train_step/lr": lr, "train_step/samples_per_sec": samples_per_sec})
-    return step, stamp, values
+    return step, stamp, step_values(local, mark_sums, summarize, lr, samples_per_sec)
 
 
 def close_status() -> str:

@@ -16,7 +16,7 @@ from ..config import ConfigError, dump_yaml, target_value, validates_after
 from ..data.loaders import shutdown_workers
 from ..comm.dist import log
 from .engine import evaluate
-from ..observe.metrics import MetricSums, MetricsWriter
+from ..observe.metrics import MetricSums, MetricsWriter, StepCurves
 from ..observe.report import add_rank_report
 from ..fault.bad_data import check_validation
 from ..fault.preemption import StopRequest
@@ -34,6 +34,7 @@ class Outputs:
 
     def __init__(self, run: Run):
         self.writer, self.saver, self.tracker = None, None, None
+        self.curves: StepCurves | None = None  # TensorBoard's step-level curves
         if dist.is_primary():
             share = run.cfg.output.share
             # Made and checked by setup() on the first rank 0; again here for an elastic run's next rank 0
@@ -42,7 +43,10 @@ class Outputs:
             write_atomic(run.run_dir / "config.yaml", dump_yaml(run.cfg), share)
             if run.peers:
                 write_host_map(run.run_dir, [(p.rank, p.host, p.pid) for p in run.peers], share)
-            self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard, share=share)
+            self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard, share=share,
+                                        start_step=run.state.position.step)
+            if run.cfg.output.tensorboard:
+                self.curves = StepCurves(run.cfg.tracking.every_steps, self.writer)
             if run.resume_changes:  # what changed at this resume (checkpoint.resume=force, or allowed keys)
                 self.writer.write({"split": "resume", "epoch": run.state.position.epoch,
                                    "step": run.state.position.step, **run.resume_changes})
@@ -57,13 +61,15 @@ class Outputs:
     def epoch_sums(self, run: Run) -> MetricSums:
         """The sums the epoch's training accumulates into (every rank); the tracker reads rank 0's."""
         sums = MetricSums(len(run.task.sum_fields))
-        if self.tracker is not None:
-            self.tracker.start_epoch(run.state.position.step, sums)
+        for follower in (self.tracker, self.curves):
+            if follower is not None:
+                follower.start_epoch(run.state.position.step, sums)
         return sums
 
     def after_step(self, run: Run, sums: MetricSums) -> None:
-        if self.tracker is not None:
-            self.tracker.after_step(run.state.position.step, sums, run.task.summarize,
+        for follower in (self.tracker, self.curves):
+            if follower is not None:
+                follower.after_step(run.state.position.step, sums, run.task.summarize,
                                     run.state.optimizer.param_groups[0]["lr"], run.global_batch)
 
     def close(self) -> None:

@@ -212,13 +212,14 @@ class Trainer:
             steps = membership.start_epoch(run, full_steps)
             if loaders.train_sampler is not None:
                 loaders.train_sampler.set_epoch(epoch, start=position.samples_in_epoch)
-            progress = Progress(epoch, cfg.train.epochs, steps, first=position.step_in_epoch) \
+            sums = out.epoch_sums(run)
+            progress = Progress(epoch, cfg.train.epochs, steps, first=position.step_in_epoch,
+                                every=cfg.output.progress_every_steps, sums=sums, task=run.task) \
                 if cfg.output.progress and dist.is_primary() else None
             if epoch > run.start_epoch:  # the first epoch may start slowly (workers, compilation)
                 run.watchdog.beat()
             if run.stats is not None:
                 run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
-            sums = out.epoch_sums(run)
             # A mid-epoch checkpoint carries them (elastic runs carry theirs in their commits).
             sums_so_far = getattr(membership, "sums_so_far", None)
             run.train_sums_so_far = (lambda: sums_so_far(run, sums)) if sums_so_far else None
@@ -309,10 +310,15 @@ def train(cfg: Config) -> tuple[Run, dict[str, Any]]:
 
 class Progress:
     """Progress through an epoch on rank 0: a tqdm bar on a terminal; on a pipe (launchers capture
-    the ranks' output), a plain line every 10% of the epoch at most every 10 seconds."""
+    the ranks' output), a plain line every ``every`` steps (``output.progress_every_steps``, as
+    main.py's ``--print-freq``), else every 10% of the epoch at most every 10 seconds. Both show the
+    epoch's running training loss and the task's metric on rank 0's samples (``sums``: reading them
+    waits for the device, once per line)."""
 
-    def __init__(self, epoch: int, epochs: int, steps: int, first: int = 0):
-        self.label, self.steps, self.first = f"epoch {epoch + 1}/{epochs}", steps, first
+    def __init__(self, epoch: int, epochs: int, steps: int, first: int = 0, every: int = 0,
+                 sums: MetricSums | None = None, task: Any = None):
+        self.label, self.steps, self.first, self.every = f"epoch {epoch + 1}/{epochs}", steps, first, every
+        self.sums, self.task = sums, task
         self.start = self.last_line = time.perf_counter()
         self.bar = None
         if sys.stderr.isatty():
@@ -321,17 +327,34 @@ class Progress:
             self.bar = tqdm(total=steps, initial=first, desc=self.label, unit="step", leave=False, file=sys.stderr,
                             mininterval=1.0, dynamic_ncols=True)
 
+    def running(self) -> str:
+        """'loss 0.4123, top1 87.5 (rank 0, this epoch)': the task's loss and best metric so far."""
+        if self.sums is None or self.task is None or self.sums.values is None:
+            return ""
+        metrics = self.task.summarize(self.sums.local())
+        shown = [f"{name} {metrics[name]:.4g}" for name in dict.fromkeys(("loss", self.task.best_metric))
+                 if isinstance(metrics.get(name), (int, float))]
+        return f"{', '.join(shown)} (rank 0, this epoch)" if shown else ""
+
+    def due(self, done: int, now: float) -> bool:
+        if self.every:
+            return done % self.every == 0
+        return done < self.steps and done % max(1, self.steps // 10) == 0 and now - self.last_line >= 10
+
     def update(self, run: Run, step_in_epoch: int) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            return
         done = step_in_epoch + 1
         now = time.perf_counter()
-        if done < self.steps and done % max(1, self.steps // 10) == 0 and now - self.last_line >= 10:
+        if self.bar is not None:
+            self.bar.update(1)
+            if done % (self.every or max(1, self.steps // 10)) == 0:
+                self.bar.set_postfix_str(self.running(), refresh=False)
+            return
+        if self.due(done, now):
             self.last_line = now
+            running = self.running()
             print(f"{self.label}: step {done}/{self.steps} ({100 * done // self.steps}%), "
-                  f"{(done - self.first) / (now - self.start):.2f} steps/s, lr {run.settings.current_lr(run.state):.4g}",
-                  flush=True)
+                  f"{(done - self.first) / (now - self.start):.2f} steps/s, lr {run.settings.current_lr(run.state):.4g}"
+                  + (f", {running}" if running else ""), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PROBE, launch, read_metrics, tiny
+from tests.helpers import PROBE, launch, read_metrics, tb_scalars, tiny
 
 
 def load_ranks(out: Path, size: int) -> list[dict]:
@@ -33,7 +33,8 @@ def json_line(stdout: str) -> dict:
 @pytest.mark.parametrize("launcher, controller", [("horovodrun-gloo", "gloo"), ("mpirun", "mpi")])
 def test_two_ranks_train_to_identical_parameters(launcher, controller, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    launch(launcher, 2, [str(PROBE), str(tmp_path / "probe")] + tiny(tiny_data, run_dir), tmp_path)
+    launch(launcher, 2, [str(PROBE), str(tmp_path / "probe")] + tiny(tiny_data, run_dir, "tracking.every_steps=3"),
+           tmp_path)
     ranks = load_ranks(tmp_path / "probe", 2)
     assert [(r["rank"], r["size"], r["controller"]) for r in ranks] == [(0, 2, controller), (1, 2, controller)]
     assert_identical([r["state"] for r in ranks])
@@ -49,7 +50,13 @@ def test_two_ranks_train_to_identical_parameters(launcher, controller, tiny_data
     assert [r["samples"] for r in records if r["split"] == "train"] == [64, 64]     # 4 steps x 2 ranks x 8
     assert records[-1]["step"] == 8
     assert (run_dir / "config.yaml").is_file()
-    assert list((run_dir / "tb").iterdir())
+    # TensorBoard, read by its own reader: epoch records at the global step of each epoch's end,
+    # step-level curves every tracking.every_steps steps, on the same axis.
+    scalars = tb_scalars(run_dir)
+    assert [step for step, _ in scalars["val/top1"]] == [4, 8] and scalars["epoch"] == [(4, 1.0), (8, 2.0)]
+    assert [value for _, value in scalars["val/top1"]] == pytest.approx([r["top1"] for r in records[1::2]])
+    for tag in ("train_step/loss", "train_step/top1", "train_step/lr", "train_step/samples_per_sec"):
+        assert [step for step, _ in scalars[tag]] == [3, 6], tag
 
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert saved["epoch"] == 2 and saved["step"] == 8
