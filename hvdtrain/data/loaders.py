@@ -26,12 +26,13 @@ def init_worker(worker_id: int, trainer_pid: int, quiet: bool = False) -> None:
     A worker of a rank other than 0 (``quiet``) prints no warning: at 512 ranks with 2 workers each,
     a library's warning would come 1,024 times. Rank 0's workers print theirs.
 
-    Workers leave SIGTERM/SIGUSR1 to the training process, which stops at a step boundary and
-    checkpoints; a worker killed by the same signal would fail the next batch first. In exchange
+    Workers leave SIGTERM, SIGUSR1 and SIGINT (a terminal's Ctrl-C reaches the whole process group)
+    to the training process, which stops at a step boundary and checkpoints; a worker killed by the
+    same signal would fail the next batch first. In exchange
     a worker must not outlive the training process: forkserver workers are children of the fork
     server, not of the trainer, so PyTorch's parent check does not see the trainer die.
     """
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     if quiet:
         warnings.simplefilter("ignore")

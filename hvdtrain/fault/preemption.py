@@ -1,5 +1,6 @@
-"""Graceful stop on SIGTERM / SIGUSR1 (what Slurm, Kubernetes and most schedulers send), or on a
-cloud's spot/preemption notice (runtime.preemption_notice; fault/spot.py polls for it on a thread).
+"""Graceful stop on SIGTERM / SIGUSR1 (what Slurm, Kubernetes and most schedulers send), SIGINT
+(Ctrl-C), or a cloud's spot/preemption notice (runtime.preemption_notice; fault/spot.py polls for it
+on a thread). The stop line names the signal that came first.
 
 The signal handler (or the notice thread) only records the request. At step boundaries the ranks
 agree on it with one tiny allreduce, so a signal that reaches a single rank still stops every rank
@@ -35,7 +36,9 @@ from .. import outcome
 from ..comm import dist, launcher_env as launcher
 from .spot import NoticeWatcher
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C (SIGINT) stops a run the same way: a checkpoint at the next step boundary, exit 75, the
+# line naming SIGINT; a second Ctrl-C while the first is pending interrupts at once (exit 130).
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # About how often, in seconds of training, an agreement that is not waited for is sent.
 AGREE_EVERY_SECONDS = 0.5
 # The most boundaries between two such agreements, whatever the steps' speed.
@@ -65,7 +68,12 @@ class StopRequest:
         self.received = self.received or line
 
     def _handler(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.received = signum
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the checkpoint
+        # The first signal is the cause: a launcher that ends the job after a Ctrl-C (horovodrun sends
+        # SIGTERM) must not rename it.
+        if not isinstance(self.received, int):
+            self.received = signum
         self.received_at = self.received_at or time.monotonic()
 
     def pending_since(self) -> float | None:
@@ -161,7 +169,8 @@ class StopRequest:
         if isinstance(self.received, str):
             return self.received
         if self.received:
-            return signal.Signals(self.received).name
+            name = signal.Signals(self.received).name
+            return f"{name} (Ctrl-C)" if self.received == signal.SIGINT else name
         if self.everywhere is not None and self.everywhere[1] > 0:
             return f"a preemption notice ({self.notice}) seen by another rank"
         return "a stop signal sent to another rank"

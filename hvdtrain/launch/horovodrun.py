@@ -262,6 +262,17 @@ def horovodrun_command(argv: list[str]) -> list[str]:
     return argv[index:]
 
 
+def end_with_parent() -> None:
+    """In horovodrun's process, before it starts: SIGTERM when this launcher dies (Linux's
+    PR_SET_PDEATHSIG), since it no longer shares the launcher's process group and so its signals."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def horovodrun() -> str:
     beside = Path(sys.executable).with_name("horovodrun")
     return str(beside) if beside.exists() else "horovodrun"
@@ -298,23 +309,32 @@ def main(argv: list[str]) -> int:
     token = secrets.token_hex(16)
     env = {**os.environ, TOKEN_VARIABLE: token}
     try:
-        job = subprocess.Popen([horovodrun(), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # horovodrun in a process group of its own: a terminal's Ctrl-C reaches this launcher alone,
+        # which passes it on as SIGINT to the ranks (below); horovodrun would end them with SIGTERM,
+        # and their stop line would name the wrong signal. It still ends with this launcher.
+        job = subprocess.Popen([horovodrun(), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               process_group=0, preexec_fn=end_with_parent)
     except OSError as error:
         print(f"hvdtrain launch: error: cannot start horovodrun ({error}): is Horovod installed (make setup)?",
               file=sys.stderr, flush=True)
         return 2
-    # A stop signal sent to the launcher alone (a scheduler's, a batch script's) goes to this host's
-    # ranks, which agree on it with the others and checkpoint: horovodrun would end them instead
-    # (under mpirun within a second, under Gloo within 5 s). With no rank here, horovodrun gets it.
+    # A stop signal sent to the launcher alone (a scheduler's, a batch script's, a Ctrl-C) goes to
+    # this host's ranks, which agree on it with the others, checkpoint and name it: horovodrun would
+    # end them instead (under mpirun within a second, under Gloo within 5 s, with SIGTERM). With no
+    # rank here, horovodrun gets it; a second Ctrl-C goes to horovodrun too (the ranks then leave
+    # at once, exit 130).
+    interrupts = [0]
+
     def forward(signum, _frame):
         if job.poll() is None:
+            interrupts[0] += signum == signal.SIGINT
             ranks = local_ranks(job.pid, token)
             for pid in ranks:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signum)
-            if not ranks:
+            if not ranks or interrupts[0] > 1:
                 job.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     records: list[dict] = []
     lock = threading.Lock()
     out, err = Output(token, records, lock), Output(token, records, lock)
@@ -327,7 +347,7 @@ def main(argv: list[str]) -> int:
             try:
                 returncode = job.wait()
                 break
-            except KeyboardInterrupt:  # Ctrl-C reached horovodrun too (one process group): wait for it
+            except KeyboardInterrupt:  # a Ctrl-C before the handler was set: the ranks stop, wait for them
                 continue
         for pump in pumps:
             pump.join()

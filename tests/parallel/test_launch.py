@@ -5,6 +5,7 @@ for all of these (the contrast is asserted once), and mpirun returns the ranks' 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -190,3 +191,23 @@ def test_a_stop_signal_to_the_launcher_alone_reaches_the_ranks_which_checkpoint(
     assert job.returncode == 75, output
     assert "stopped by SIGTERM in epoch" in output and "Traceback" not in output, output
     assert rank_pids(str(run_dir)) == {}
+
+
+def test_ctrl_c_at_the_terminal_stops_the_ranks_with_a_checkpoint_naming_sigint(tiny_data, tmp_path):
+    """A Ctrl-C reaches the terminal's whole foreground process group. horovodrun used to be in it
+    and ended the ranks with SIGTERM, so the stop line said SIGTERM; hvdtrain launch now keeps
+    horovodrun out of its group and passes the Ctrl-C on as SIGINT: checkpoint, exit 75, named."""
+    run_dir = tmp_path / "run"
+    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=12")]
+    job = subprocess.Popen(launched("--gloo", program), cwd=tmp_path, env=job_env(tmp_path), process_group=0,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = wait_for_line(job, "epoch 1/12 ")
+        os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    output = "".join(lines) + rest
+    assert job.returncode == 75, output
+    assert "stopped by SIGINT (Ctrl-C) in epoch" in output and "stopped by SIGTERM" not in output, output
+    assert "Traceback" not in output and rank_pids(str(run_dir)) == {}

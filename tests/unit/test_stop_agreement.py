@@ -201,3 +201,30 @@ def test_a_quiet_wait_naps_while_it_is_short_and_leaves_a_long_one_to_horovod(mo
     assert looks[7] == 3
     # 8 was looked at until the 50 ms were spent (the 2 naps for 7 count: 30 ms), then left to Horovod
     assert clock["naps"] == [dist.QUIET_POLL_SECONDS] * 4 and looks[8] == 3
+
+
+def test_the_stop_names_the_first_signal_and_ctrl_c_is_sigint():
+    stop = StopRequest()
+    stop._handler(signal.SIGINT, None)
+    stop._handler(signal.SIGTERM, None)  # horovodrun or mpirun ending the job after the Ctrl-C
+    assert stop.reason() == "SIGINT (Ctrl-C)"
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C does not wait for the checkpoint
+        stop._handler(signal.SIGINT, None)
+    term = StopRequest()
+    term._handler(signal.SIGTERM, None)
+    term._handler(signal.SIGINT, None)
+    assert term.reason() == "SIGTERM"
+
+
+def test_ctrl_c_is_kept_during_start_up_and_while_training():
+    stop = StopRequest()
+    before = signal.getsignal(signal.SIGINT)
+    stop.keep_early()
+    try:
+        assert signal.getsignal(signal.SIGINT) == stop._handler
+        with stop.installed():
+            signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: recorded, stopped at a boundary
+            assert stop.received == signal.SIGINT
+    finally:
+        stop.release_early()
+    assert signal.getsignal(signal.SIGINT) is before
