@@ -68,12 +68,15 @@ class Run:
     # and those a mid-epoch checkpoint carried: a resumed epoch's record then covers the whole epoch.
     train_sums_so_far: Callable[[], torch.Tensor] | None = None
     resumed_train_sums: torch.Tensor | None = None
+    evaluating: bool = False  # built to evaluate a checkpoint (hvdtrain evaluate): its lines say so
 
 
-def setup(cfg: Config, writes: bool = True) -> Run:
+def setup(cfg: Config, writes: bool = True, evaluating: bool = False) -> Run:
     """Everything before the first step, identical on every rank (no checkpoint loaded yet).
     ``writes=False`` (evaluation): the output folder is neither made nor checked, since nothing is
-    written there (a checkpoint's recorded ``output.dir`` may name any folder)."""
+    written there (a checkpoint's recorded ``output.dir`` may name any folder). ``evaluating``: for
+    ``evaluate_checkpoint``, whose lines speak of the evaluation, not of a training (no batch, rate
+    or recipe line)."""
     elastic = cfg.elastic.enabled
     tracking.require_packages(cfg)
     dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
@@ -127,11 +130,13 @@ def setup(cfg: Config, writes: bool = True) -> Run:
                   timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
                   if cfg.runtime.timeline else None,
                   stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
-                  if cfg.runtime.stats_interval > 0 else None, warnings=tally)
+                  if cfg.runtime.stats_interval > 0 else None, warnings=tally, evaluating=evaluating)
 
         world_size, passes = dist.size(), cfg.train.backward_passes_per_step
-        log(f"hvdtrain: {world_size} ranks on {dist.cross_size()} host(s) ({dist.controller()} controller), "
-            f"device {device.type}, {threads} threads/rank"
+        # Horovod's controller matters to a job of several ranks (Gloo or MPI); one process has none to speak of.
+        controller = f" ({dist.controller()} controller)" if world_size > 1 else ""
+        log(f"hvdtrain: {'evaluating on ' if evaluating else ''}{world_size} rank{'s' if world_size > 1 else ''} on "
+            f"{dist.cross_size()} host(s){controller}, device {device.type}, {threads} threads/rank"
             + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
             + (f", malloc {malloc}" if malloc else "")
             + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
@@ -141,6 +146,11 @@ def setup(cfg: Config, writes: bool = True) -> Run:
         if run.stats is not None and device.type == "cuda" and not run.stats.has_gpu:
             log("hvdtrain: GPU statistics off: NVML is not available (pip install 'hvdtrain[gpu]' for nvidia-ml-py)")
         log(f"hvdtrain: {task.describe(loaders)}")
+        if evaluating:
+            log(f"hvdtrain: validation batches of {cfg.train.batch_size}/rank; every sample counted once")
+            add_recipe_state(run, quiet=True)  # the EMA weights, if the checkpoint has them (eval.ema)
+            undo.pop_all()  # the run owns them now (release)
+            return run
         given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
         log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
             f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
@@ -204,15 +214,17 @@ def step_milestones_text(optim, schedule: LRSchedule) -> str:
     return f"{factor} at epochs {at} (30/60/80 of 90, scaled to {schedule.epochs})"
 
 
-def add_recipe_state(run: Run) -> None:
+def add_recipe_state(run: Run, quiet: bool = False) -> None:
     """The model EMA and the time-to-accuracy clock, when asked for: registered state components
-    (checkpoints, resume and elastic commits carry them), the EMA updated after every optimizer step."""
+    (checkpoints, resume and elastic commits carry them), the EMA updated after every optimizer step.
+    ``quiet``: registered without their lines (an evaluation trains nothing)."""
     cfg = run.cfg
+    say = (lambda line: None) if quiet else log
     if cfg.ema.decay > 0:
         run.ema = ModelEma(run.state.model, cfg.ema)
         run.state.register("ema", run.ema)
         run.settings.after_optimizer_step.append(run.ema.after_optimizer_step)
-        log(f"hvdtrain: model EMA, decay {cfg.ema.decay:g} every {cfg.ema.every_steps} step(s)"
+        say(f"hvdtrain: model EMA, decay {cfg.ema.decay:g} every {cfg.ema.every_steps} step(s)"
             + (f", timm warm-up (gamma {cfg.ema.warmup_gamma:g}, power {cfg.ema.warmup_power:g})"
                if cfg.ema.warmup else ""))
     if target_value(cfg) > 0:
@@ -220,7 +232,7 @@ def add_recipe_state(run: Run) -> None:
         run.state.register("clock", run.clock)
         name, key = target_metric_name(run)
         direction = metric_direction(run.task, name, key)
-        log(f"hvdtrain: target: stop at val {name} {'>=' if direction == 'max' else '<='} {target_value(cfg):g}"
+        say(f"hvdtrain: target: stop at val {name} {'>=' if direction == 'max' else '<='} {target_value(cfg):g}"
             + (" (train.target_top1 is the old name of train.target)" if cfg.train.target_top1 else ""))
     metric_direction(run.task, *best_metric_key(run))  # an undeclared direction stops before the first step
 
@@ -282,7 +294,7 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
             raise ConfigError(refused)
         if found is not None:
             run.start_epoch = run.state.position.epoch
-            log(f"hvdtrain: resumed from {found[0]} at {where(run)} (global step {run.state.position.step})")
+            log(resumed_line(run, str(found[0])))
         return
     resumed = dist.broadcast_object(
         None if found is None else {"source": str(found[0]), "ranks": found[1].get("ranks", []), "refused": refused,
@@ -300,12 +312,23 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
     ranks = resumed["ranks"]
     same_world = run.state.load_rank_state(ranks, dist.rank(), dist.size(),
                                            fallback_seed=run.cfg.seed + 1000003 * dist.rank() + position.step)
-    log(f"hvdtrain: resumed from {resumed['source']} at {where(run)} (global step {position.step})")
-    if not same_world:
+    log(resumed_line(run, resumed["source"]))
+    if not same_world and not run.evaluating:  # an evaluation steps nothing: no batch or rate to rescale
         rounded = position.samples_in_epoch - position.step_in_epoch * run.global_batch
         log(f"hvdtrain: the checkpoint was written by {len(ranks)} ranks, this job has {dist.size()}: "
             f"global batch {run.global_batch}, learning rate rescaled"
             + (f"; {rounded} samples of the interrupted step are seen again" if rounded else ""))
+
+
+def resumed_line(run: Run, source: str) -> str:
+    """'resumed from FILE at epoch 4 (global step 88)', or for an evaluation 'evaluating FILE: the
+    model after 3 epochs (global step 66)'."""
+    position = run.state.position
+    if run.evaluating:
+        trained = f"{position.epoch} epoch{'s' if position.epoch != 1 else ''}" + \
+            (f" and {position.step_in_epoch} step(s)" if position.step_in_epoch else "")
+        return f"hvdtrain: evaluating {source}: the model after {trained} (global step {position.step})"
+    return f"hvdtrain: resumed from {source} at {where(run)} (global step {position.step})"
 
 
 def same_run(run: Run, found: tuple[Path, dict[str, Any]]) -> str | None:
@@ -381,7 +404,7 @@ def where(run: Run) -> str:
 
 def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
     """Validation metrics of a saved model, on however many ranks this job has."""
-    run = setup(cfg, writes=False)
+    run = setup(cfg, writes=False, evaluating=True)
     try:
         resume(run, path)
         model = None

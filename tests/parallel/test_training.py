@@ -78,6 +78,13 @@ def test_distributed_validation_equals_single_process_evaluation(tiny_data, tmp_
         assert metrics["top1"] == logged["top1"]   # the same correct predictions out of 21
         assert metrics["top5"] == logged["top5"]
         assert metrics["loss"] == pytest.approx(logged["loss"], rel=1e-5)
+    # Its lines speak of evaluating: not of a resume, a rescaled rate (the checkpoint had 2 ranks,
+    # this job 1) or a controller of one process.
+    said = single.stdout + single.stderr
+    assert f"hvdtrain: evaluating {checkpoint}: the model after 2 epochs (global step 8)" in said, said
+    assert "hvdtrain: evaluating on 1 rank on 1 host(s), device cpu" in said
+    for word in ("resumed from", "rescaled", "controller", "warm-up", "recipe:"):
+        assert word not in said, word
 
 
 @pytest.mark.parametrize("buckets", ["dist.bucket_mb=0", "dist.bucket_mb=25"], ids=["cycle-fusion", "buckets"])

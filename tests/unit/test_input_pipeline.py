@@ -399,3 +399,19 @@ def test_loader_workers_fork_from_a_server_that_has_torch_loaded(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "libtorch_python.so" in result.stdout, result.stdout
+
+
+def test_docs_state_the_validation_resize_and_the_normalization_as_the_code_has_them():
+    """docs/data.md's numbers are the code's: round(C / 0.875) with Python's round, and ImageNet's
+    mean and std, applied as ToTensor() + Normalize(mean, std) would."""
+    from hvdtrain.data.image.decode import IMAGENET_MEAN, IMAGENET_STD
+    from hvdtrain.data.image.transforms import DeviceNormalizer, val_resize_size
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    for size, resize in ((224, 256), (32, 37), (128, 146), (160, 183), (288, 329)):
+        assert val_resize_size(DataConfig(image_size=size)) == resize
+        assert f"{size} -> {resize}" in text
+    assert f"mean = {IMAGENET_MEAN}" in text and f"std = {IMAGENET_STD}" in text
+    pixels = torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8)
+    expected = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)(pixels.float() / 255)
+    assert torch.allclose(DeviceNormalizer(torch.device("cpu"))(pixels), expected, atol=1e-5)
