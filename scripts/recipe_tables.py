@@ -54,13 +54,18 @@ def resolve(cfg: Config, key: str, ranks: int) -> Any:
     from hvdtrain.data.image.transforms import val_image_size, val_resize_size
     from hvdtrain.optim.build import LRSchedule, lr_at, scaled_lr
 
-    global_batch = cfg.train.batch_size * ranks * cfg.train.backward_passes_per_step
+    passes = cfg.train.backward_passes_per_step
+    # A global batch said once (train.global_batch_size, main.py's -b) fixes the per-rank batch.
+    per_rank = cfg.train.global_batch_size // (ranks * passes) if cfg.train.global_batch_size else cfg.train.batch_size
+    global_batch = per_rank * ranks * passes
     if key == "ranks":
         return ranks
     if key == "global_batch":
         return global_batch
-    if key == "lr.peak":
-        return scaled_lr(cfg.optim.base_lr, global_batch)
+    if key == "train.batch_size":
+        return per_rank
+    if key == "lr.peak":  # optim.lr is a rate as it is; else the per-256 rate scaled linearly
+        return cfg.optim.lr if cfg.optim.lr > 0 else scaled_lr(cfg.optim.base_lr, global_batch)
     if key.startswith("lr.epoch."):
         steps = max(1, IMAGENET_TRAIN // global_batch)
         schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps)

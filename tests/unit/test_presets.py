@@ -32,7 +32,7 @@ from hvdtrain.tasks.image_classification import bce_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGENET_PRESETS = ["imagenet_resnet50", "ffcv_rn50_16_epochs", "ffcv_rn50_32_epochs", "ffcv_rn50_88_epochs",
-                    "mlperf_lars_rn50", "nvidia_rn50_v15", "timm_rsb_a3"]
+                    "mlperf_lars_rn50", "nvidia_rn50_v15", "timm_rsb_a3", "pytorch_examples"]
 
 
 def recipe_tables():
@@ -501,3 +501,40 @@ def test_startup_line_shows_warmup_exemption_augmentation_and_validation():
     mlperf = startup("mlperf_lars_rn50")
     assert "warm-up 0 (step 0)" in mlperf and "1 of 107 1-d tensors decayed: fc.bias" in mlperf
     assert "crop area 0.05,1.0" in mlperf and "after epochs 3, 7, ... and the last" in mlperf
+
+
+# --- pytorch/examples' imagenet/main.py ------------------------------------------------------------
+
+def test_main_py_preset_keeps_its_rate_at_any_number_of_ranks_and_steps_every_30_epochs():
+    """main.py's --lr is never scaled, and StepLR steps every 30 epochs whatever --epochs says."""
+    for ranks in (1, 2, 8, 256):
+        cfg = load_config("pytorch_examples")
+        assert TABLES.resolve(cfg, "lr.peak", ranks) == 0.1
+        assert TABLES.resolve(cfg, "train.batch_size", ranks) * ranks == 256
+    short = load_config("pytorch_examples", ["train.epochs=3"])
+    schedule = LRSchedule.from_config(short.optim, 256, 3, 23)
+    assert [lr_at(step, schedule) for step in (0, 22, 23, 68)] == [0.1] * 4  # no step within 3 epochs
+    from hvdtrain.train.run import recipe_line
+
+    line = recipe_line(load_config("pytorch_examples"), models.resnet18(),
+                       LRSchedule.from_config(load_config("pytorch_examples").optim, 256, 90, 5005))
+    assert "warm-up 0.1 (step 0) -> 0.1 (last warm-up step) -> peak 0.1" in line
+    assert "then step x0.1 every 30 epochs (at 30, 60 of 90)" in line
+    assert "weight decay 0.0001 on every parameter (62 tensors, 41 of them 1-d)" in line
+    assert "validation 224 px center crop of 256 px (bilinear), every epoch" in line
+
+
+def test_from_ddp_maps_main_py_to_keys_that_exist():
+    """Every key the main.py section of docs/from-ddp.md gives (`section.key=value`) is a real key
+    that takes that value."""
+    import re
+
+    text = (ROOT / "docs" / "from-ddp.md").read_text()
+    section = text.split("## From pytorch/examples' imagenet/main.py", 1)[1].split("\n## ", 1)[0]
+    settings = set(re.findall(r"`([a-z_]+\.[a-z_.]+=[^` ]+)`", section))
+    assert len(settings) >= 15, settings
+    placeholders = {"N": "2", "LR": "0.2", "M": "0.5", "W": "0.001", "ARCH": "resnet34", "DIR": "/data",
+                    "PATH": "runs/x/checkpoints/last.pt"}
+    for setting in sorted(settings):
+        key, value = setting.split("=", 1)
+        load_config(None, [f"{key}={placeholders.get(value, value)}"])  # an unknown key or a bad value raises
