@@ -107,7 +107,7 @@ def build_folder(root: Path, n: int) -> None:
 def synthetic_index(root: Path, cache: Path, n: int) -> float:
     """Empty class folders, and a cache entry for them listing N (missing) files; the seconds the
     cache took to write (what a scan adds to the walk of the folders)."""
-    from hvdtrain.data.files.index import FileIndex, SplitIndex, cache_file, cache_key, write_cache
+    from hvdtrain.data.files.index import FileIndex, SplitIndex, cache_file, cache_key, usable_cache, write_cache
 
     shutil.rmtree(root, ignore_errors=True)
     classes, val = layout(n, synthetic=True)
@@ -121,9 +121,12 @@ def synthetic_index(root: Path, cache: Path, n: int) -> float:
         return SplitIndex(names, [f"{names[c]}/{names[c]}_{i}.JPEG" for i, c in enumerate(labels)], labels)
 
     index = FileIndex(str(root), split(n), split(val))
+    assert usable_cache(cache) == cache, f"the cache folder {cache} is not the user's own"  # makes file-index/
     start = time.perf_counter()
-    write_cache(cache_file(root, cache), cache_key(root), index)
-    return time.perf_counter() - start
+    written = write_cache(cache_file(root, cache), cache_key(root), index)
+    seconds = time.perf_counter() - start
+    assert written is not None, f"the synthetic index could not be written to {cache}"
+    return seconds
 
 
 # --- measurements, each in a fresh process --------------------------------------------------------
