@@ -130,6 +130,7 @@ class Job:
             os.chdir(saved_cwd)
             sys.argv, sys.path[:] = saved_argv, saved_path
             forget_modules(set(sys.modules) - saved_modules)
+            stop_forkserver()
             gc.collect()
 
     def execute(self) -> int:
@@ -161,6 +162,17 @@ class Job:
             return 1
         finally:
             RUNNING.clear()
+
+
+def stop_forkserver() -> None:
+    """End the forkserver a job's loader workers were forked from. It started inside the job, so
+    its workers had the job's environment (credentials, HVDTRAIN_CACHE), working folder and output,
+    as in a fresh launch; the next job's workers must have theirs."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        server._stop()
 
 
 def forget_modules(names: set[str]) -> None:
@@ -236,16 +248,6 @@ def serve(path: str) -> None:
             raise Cancelled()
 
     signal.signal(signal.SIGUSR2, cancel)
-    # The forkserver loader workers fork from starts now, with this process's own output: not the
-    # output files of the first job that happens to start workers.
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    from hvdtrain.data.loaders import FORKSERVER_PRELOAD
-
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    forkserver.ensure_running()
-
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(path)
     channel = connection.makefile("rw", encoding="utf-8")
