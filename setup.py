@@ -7,7 +7,8 @@ setup(
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     package_data={"hvdtrain": ["configs/*.yaml", "configs/*.json"]},
     python_requires=">=3.9",
-    # horovod is built from source by scripts/setup.sh (0.28.1 + C++17 patch), so it is not listed.
+    # horovod is built from source by scripts/setup.sh (0.28.1 + the patches in third_party/horovod/),
+    # so it is not listed.
     # The versions scripts/setup.sh pins (tests/unit/test_supply_chain.py keeps the two in step).
     # torch and torchvision have no version here: setup.sh pins them, except with
     # HVDTRAIN_SYSTEM_TORCH=1, where an image's own torch is used and must not be replaced.

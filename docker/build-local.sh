@@ -43,7 +43,7 @@ if [[ -n $ca ]]; then
     secret=(--secret "id=ca,src=$ca")
 fi
 # The Horovod wheels this checkout's setup built (.cache/setup/wheels), read-only at /wheelhouse in
-# the builder: one built from the same inputs (sdist, patch, torch, Python, OS, CPU ops) is installed
+# the builder: one built from the same inputs (sdist, patch series, torch, Python, OS, CPU ops) is installed
 # instead of compiled. HVDTRAIN_IMAGE_FROM_SOURCE=1 compiles it in the image all the same.
 # Their SHA-256 sums go along as a build argument: setup.sh installs a wheel of /wheelhouse only when
 # its sum is one of them (scripts/wheel-check.sh).

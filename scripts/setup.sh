@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent installer for hvdtrain: Debian packages, a virtual environment with pinned
-# torch/torchvision, and Horovod 0.28.1 built from its sdist with third_party/horovod-0.28.1.patch
-# (C++17; a synchronize() that sleeps instead of spinning).
+# torch/torchvision, and Horovod 0.28.1 built from its sdist with the patches in third_party/horovod/
+# (applied in the order of its series file by scripts/horovod-patches.sh; docs/horovod-patch.md).
 #
-# A second run compares a stamp (hash of this script, the patch and the pins) and only
+# A second run compares a stamp (hash of this script, the patch series and the pins) and only
 # re-checks `horovodrun --check-build`, so it takes seconds.
 #
 # Environment knobs (all optional):
@@ -30,7 +30,7 @@
 #   HVDTRAIN_SKIP_APT=1        never call apt-get (the packages must already be there)
 #   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry)
 #   HVDTRAIN_WHEELHOUSE=DIR    the wheels directory of an earlier setup (its .cache/setup/wheels): a
-#                              Horovod wheel there built from the same sdist, patch, torch, Python, OS
+#                              Horovod wheel there built from the same sdist, patches, torch, Python, OS
 #                              and GPU ops is installed instead of compiling again (setup keeps every
 #                              wheel it builds under .cache/setup/wheels; make test-image hands the
 #                              host's to the image build this way). Only a wheel that nobody else can
@@ -61,7 +61,6 @@ venv=${HVDTRAIN_VENV:-$repo/.venv}
 [[ $venv = /* ]] || venv=$PWD/$venv
 python=${PYTHON:-python3}
 gpu_ops=${HVDTRAIN_GPU_OPS:-auto}
-patch_file=$repo/third_party/horovod-0.28.1.patch
 horovod_version=0.28.1
 horovod_sha256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 cache=${HVDTRAIN_CACHE:-$repo/.cache/setup}
@@ -78,9 +77,14 @@ python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy=
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
+# load_horovod_series, horovod_series_id, apply_horovod_series: the patches to Horovod
+source "$repo/scripts/horovod-patches.sh"
+load_horovod_series || die "$horovod_patches_problem"
+
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
-stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/shared-install.sh" "$patch_file" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
+stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
+            "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"
 # python_problem, install_hvdtrain, hvdtrain_sources_hash: a shared install
@@ -201,9 +205,9 @@ install_hvdtrain "$vpy" "$install_mode" "$extras"
 
 # --- Horovod -----------------------------------------------------------------------------------
 installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
-# The venv records the patch its Horovod was built with: a changed patch means a rebuild, even
-# though the version and --check-build still look right.
-patch_id=$(sha256sum "$patch_file" | cut -c1-12)
+# The venv records the patch series its Horovod was built with: a changed, added or removed patch
+# means a rebuild, even though the version and --check-build still look right.
+patch_id=$(horovod_series_id)
 patch_marker=$venv/horovod-patch
 if [[ $installed_horovod != "$horovod_version" || $(cat "$patch_marker" 2>/dev/null) != "$patch_id" ]] ||
         ! check_build >/dev/null 2>&1; then
@@ -249,14 +253,15 @@ EOF
         ops_id=nccl-cuda$torch_cuda
     else
         # Keep CMake from picking up a stray toolkit: a CPU build must not need one. With nvcc on the
-        # PATH, PyTorch's CUDA_HOME would still make the torch extension ask for it (patch item 5).
+        # PATH, PyTorch's CUDA_HOME would still make the torch extension ask for it
+        # (third_party/horovod/0005-cpu-build-where-nvcc-is-on-the-path.patch).
         build_env+=(HOROVOD_WITHOUT_GLOO_CUDA=1 HOROVOD_GPU_OPERATIONS= CUDAToolkit_ROOT=/nonexistent
                     HOROVOD_TORCH_WITHOUT_CUDA=1)
         ops="CPU (Gloo + MPI; no CUDA toolkit/NCCL, or HVDTRAIN_GPU_OPS=none)"
         ops_id=cpu
     fi
 
-    # The wheel is kept under a name that says what it was built from (sdist, patch, torch, Python,
+    # The wheel is kept under a name that says what it was built from (sdist, patches, torch, Python,
     # machine, OS, GPU ops), so that another setup with the same inputs (the image's builder stage,
     # a second venv) installs it instead of compiling Horovod again.
     wheel_key=horovod-$horovod_version-$patch_id-$("$vpy" -c \
@@ -303,8 +308,8 @@ EOF
         rm -rf "$src" && mkdir -p "$src"
         tar -xzf "$sdist" -C "$src"
         src=$src/horovod-$horovod_version
-        log "applying $(basename "$patch_file")"
-        patch -d "$src" -p1 --quiet <"$patch_file"
+        log "applying the ${#horovod_patch_files[@]} patches of third_party/horovod/series"
+        apply_horovod_series "$src" >/dev/null || die "$horovod_patches_problem"
         log "building horovod $horovod_version for $ops"
         # Built into a side directory and moved into place once complete: an interrupted build
         # never leaves a wheel that a later run would take for a finished one.

@@ -174,7 +174,7 @@ def wait_quietly(handles: Iterable[Any]) -> None:
     (``benchmarks/stop_agreement.py --bind rank``, medians of 3): 11.77 ms a step with Horovod's
     own wait, 10.03 ms looking every 0.1 ms; unbound, 9.87 and 8.94 (DDP: 8.93). The looks cost CPU
     (about 10% of a core while they go on), so a long wait, for a late rank, is Horovod's own: with
-    patch item 2 it sleeps on a condition variable (tests/parallel/test_observability.py: rank 0's
+    Horovod patch 0002 it sleeps on a condition variable (tests/parallel/test_observability.py: rank 0's
     thread used 0.30-0.33 s of CPU in a 3 s wait when the looks had no limit)."""
     deadline = time.perf_counter() + QUIET_POLL_LIMIT_SECONDS
     for handle in handles:

@@ -21,7 +21,7 @@ from ..config import ConfigError
 # - OMPI_MCA_mpi_yield_when_idle: Open MPI spins at full speed in a blocking call unless it sees the
 #   host oversubscribed; with torch's threads on every core a spinning rank steals time from the
 #   compute of its own and the other ranks. Yielding gives the core back while waiting.
-# - HOROVOD_CYCLE_WAKE_ON_ENQUEUE (third_party/horovod-0.28.1.patch; Gloo controller only): start
+# - HOROVOD_CYCLE_WAKE_ON_ENQUEUE (third_party/horovod/0003; Gloo controller only): start
 #   a cycle as soon as a gradient group arrives instead of sleeping out the cycle, and at once after
 #   a cycle that left tensors waiting for another rank (its coordination round then waits asleep
 #   until that rank is ready). The up to 20 ms the cycle added at the end of backward go.

@@ -25,7 +25,7 @@ def rendezvous_class():
         request without the token (an outsider's PUT of a peer address) is refused with 403."""
 
         def parse_request(self) -> bool:
-            # The check of Horovod's own handler (this repository's patch, item 7) is bypassed: it
+            # The check of Horovod's own handler (this repository's patch 0007) is bypassed: it
             # would strip the token a second time. Stock Horovod's handler has none.
             if not http.server.BaseHTTPRequestHandler.parse_request(self):
                 return False

@@ -132,7 +132,7 @@ def read_speed(root: Path, max_bytes: int = READ_BYTES, max_seconds: float = REA
 
 def gloo_launcher_hides_env() -> bool:
     """Whether this Horovod's ``horovodrun --gloo`` keeps the environment's values out of the
-    ranks' command lines (third_party/horovod-0.28.1.patch). A stock Horovod 0.28.1 starts every
+    ranks' command lines (third_party/horovod/0006). A stock Horovod 0.28.1 starts every
     rank as ``sh -c 'env K=V ... python ...'`` with the whole environment, API keys included."""
     try:
         from horovod.runner import gloo_run

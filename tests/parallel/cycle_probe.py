@@ -5,7 +5,7 @@
 Sets HOROVOD_CYCLE_TIME=CYCLE_MS (and HOROVOD_CYCLE_WAKE_ON_ENQUEUE=WAKE when given; otherwise
 hvdtrain's default applies), then runs 6 small allreduces one after the other and prints the
 median time of one. Horovod's background thread sleeps out each cycle: unpatched, a tensor waits
-for the next cycle (half a cycle on average). With third_party/horovod-0.28.1.patch and the wake
+for the next cycle (half a cycle on average). With third_party/horovod/0003 and the wake
 on, the cycle starts when the tensor arrives.
 """
 

@@ -136,7 +136,7 @@ def test_stall_inspector_warns_then_shuts_the_job_down(tmp_path):
 @pytest.mark.parametrize("kind", ["horovodrun-gloo", "mpirun"])
 def test_waiting_for_a_late_rank_costs_the_training_thread_no_cpu(kind, tmp_path):
     """Horovod 0.28.1's synchronize() spun on sched_yield while it waited (a core burned per rank,
-    taken from the threads doing the allreduce); third_party/horovod-0.28.1.patch makes it sleep
+    taken from the threads doing the allreduce); third_party/horovod/0002 makes it sleep
     on a condition variable."""
     result = launch(kind, 2, [str(REPO / "tests" / "parallel" / "wait_probe.py"), "3"], tmp_path, timeout=180)
     found = re.search(r"rank 0 waited ([\d.]+) s wall, ([\d.]+) s thread CPU, sum 2", result.stdout)

@@ -7,7 +7,7 @@ environment ``hvdtrain ray`` gives them allreduce. Ray is not needed: the server
 environment and the ranks are the same pieces ``Job.start_ranks`` puts together.
 
 horovodrun's (Gloo controller): the same refusal, from hvdtrain's Horovod patch
-(third_party/horovod-0.28.1.patch, installed by ``make setup``)."""
+(third_party/horovod/0007-token-on-the-gloo-rendezvous-server.patch, installed by ``make setup``)."""
 
 from __future__ import annotations
 

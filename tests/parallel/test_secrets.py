@@ -2,10 +2,10 @@
 
 horovodrun --gloo used to start every rank as ``/bin/sh -c env K=V ... python ...`` with the whole
 environment, so any user of the host read WANDB_API_KEY, MLFLOW_TRACKING_* and AWS_* with ``ps``.
-The patched runner (third_party/horovod-0.28.1.patch) gives the values to a local rank through
-its process environment. A rank here scans every process's ``/proc/PID/cmdline`` while the whole
-job runs, and checks that it still has the variables, values intact (a multi-line value with
-quotes and a ``$`` too).
+The patched runner (third_party/horovod/0006-no-environment-values-on-command-lines.patch) gives
+the values to a local rank through its process environment. A rank here scans every process's
+``/proc/PID/cmdline`` while the whole job runs, and checks that it still has the variables, values
+intact (a multi-line value with quotes and a ``$`` too).
 """
 
 from __future__ import annotations

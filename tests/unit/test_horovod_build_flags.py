@@ -1,4 +1,4 @@
-"""Patch item 8 (third_party/horovod-0.28.1.patch): horovodrun asks the torch extension what it was
+"""Horovod patch 0008 (third_party/horovod/): horovodrun asks the torch extension what it was
 built with once per library, not at every launch (each ask imports torch in a forked process, about
 3 s), and keeps the answers in ~/.cache/horovod/built-flags.json under the library's path, size and
 modification time."""
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("horovod.torch")  # each ask forks this process: torch already loaded, it takes ms
 util = pytest.importorskip("horovod.common.util")
 if not hasattr(util, "_built"):
-    pytest.skip("Horovod without hvdtrain's patch item 8 (make setup rebuilds it)", allow_module_level=True)
+    pytest.skip("Horovod without hvdtrain's patch 0008 (make setup rebuilds it)", allow_module_level=True)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Horovod's launcher keeps secrets out of process arguments (issue 36, point 2; the runner hunks of
-third_party/horovod-0.28.1.patch). Real launches are in tests/parallel/test_secrets.py (local
+third_party/horovod/0006). Real launches are in tests/parallel/test_secrets.py (local
 ranks) and tests/multinode/test_secrets_ssh.py (ranks over ssh); these check the pieces alone."""
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_the_interval_follows_the_steps_speed_and_never_exceeds_its_bounds(monke
 def test_a_quiet_wait_naps_while_it_is_short_and_leaves_a_long_one_to_horovod(monkeypatch):
     """dist.wait_quietly looks every 0.1 ms until the operations are done, but for at most
     QUIET_POLL_LIMIT_SECONDS in all: the caller's hvd.synchronize, which sleeps on a condition
-    variable (patch item 2), waits for the rest, so a late rank costs no CPU."""
+    variable (Horovod patch 0002), waits for the rest, so a late rank costs no CPU."""
     looks = {7: 0, 8: 0}
 
     def poll(handle):
