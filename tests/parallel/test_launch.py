@@ -6,6 +6,7 @@ for all of these (the contrast is asserted once), and mpirun returns the ranks' 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -82,16 +83,19 @@ def test_a_checkpointed_stop_exits_75_and_the_rerun_finishes(tiny_data, tmp_path
     assert "Traceback" not in output
     assert last_line(output).startswith("hvdtrain launch: exit 75 (stopped after a checkpoint: run the same "
                                         "command to resume), rank ")
-    # The CLI itself: stopped in its first epoch, then the rerun finishes with 0.
+    # The CLI itself: stopped in its first epochs, then the rerun finishes with 0. The first leg asks
+    # for more epochs than it can reach before the stop lands, whatever the machine's speed; the rerun
+    # ends with the epoch the stop fell in (train.epochs may change between legs).
     cli_dir = tmp_path / "cli"
-    program = ["-m", "hvdtrain", *tiny(tiny_data, cli_dir, "train.epochs=12")]
-    code, output = launched_and_stopped(program, cli_dir, "epoch 1/12 ", tmp_path)
+    program = ["-m", "hvdtrain", *tiny(tiny_data, cli_dir, "train.epochs=1000")]
+    code, output = launched_and_stopped(program, cli_dir, "epoch 1/1000 ", tmp_path)
     assert code == 75, output
     assert "Traceback" not in output and "hvdtrain-exit" not in output
     last = last_line(output)
     assert last.startswith("hvdtrain launch: exit 75 (stopped after a checkpoint: run the same command to resume), "
                            "rank ") and "stopped by SIGTERM in epoch" in last and "checkpoint saved to" in last
-    again = run(launched("--gloo", program), tmp_path)
+    stopped_in = int(re.search(r"stopped by SIGTERM in epoch (\d+)", last)[1])
+    again = run(launched("--gloo", [*program[:-1], f"train.epochs={stopped_in}"]), tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from" in again.stdout and "hvdtrain launch" not in again.stdout + again.stderr
 
