@@ -45,6 +45,9 @@ TESTS = REPO / "tests"
 # __name__ == "__main__" and leaves the process as it found it (no hvd.shutdown, no os._exit, no
 # patched hvdtrain function left in place, no process-wide setting of its own).
 SHARED_MARK = "# tests/shared_ranks: this script may run on the shared ranks"
+# The examples a user copies stay free of the suite's marks: those that pass the same rule are named here.
+SHARED_EXAMPLES = {REPO / "examples" / "from_ddp" / "hvdtrain_digits.py",
+                   REPO / "examples" / "from_ddp" / "spiral_hvdtrain.py"}
 # `python -m hvdtrain <command>`: the commands that run a job on the ranks (no subcommand = train).
 SHARED_COMMANDS = {"train", "evaluate", "bench"}
 KINDS = {"horovodrun-gloo", "mpirun", "single"}
@@ -64,6 +67,8 @@ def accepts(kind: str, np_: int, program: list[str]) -> bool:
     if program[:2] == ["-m", "hvdtrain"]:
         first = program[2] if len(program) > 2 else ""
         return first.startswith("-") or "=" in first or first in SHARED_COMMANDS  # options only: train
+    if Path(program[0]).resolve() in SHARED_EXAMPLES:
+        return True
     try:
         return SHARED_MARK in Path(program[0]).read_text(errors="replace")
     except OSError:
@@ -271,6 +276,7 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 _shared: dict[str, SharedJob] = {}
+_summary: list[str] = []
 
 
 def run(kind: str, np_: int, program: list[str], cwd: Path, env: dict[str, str],
@@ -280,11 +286,12 @@ def run(kind: str, np_: int, program: list[str], cwd: Path, env: dict[str, str],
 
 
 def stop_all() -> list[str]:
-    """End every shared job; lines for the session's summary."""
-    lines = []
+    """End every shared job; lines for the session's summary (of every job ended so far: a test
+    that must see this process without busy children, as tests/unit/test_sysstats.py, ends them
+    early and the next test that needs them starts them again)."""
     for kind, job in _shared.items():
-        lines.append(f"shared {kind} ranks: {job.runs} jobs run, {job.fallbacks} launched for real, "
-                     f"{job.restarts} restarts")
+        _summary.append(f"shared {kind} ranks: {job.runs} jobs run, {job.fallbacks} launched for real, "
+                        f"{job.restarts} restarts")
         job.stop()
     _shared.clear()
-    return lines
+    return list(_summary)

@@ -15,6 +15,7 @@ Usage: python -m tests.shared_ranks.server SOCKET  (under the launcher)
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import json
 import os
@@ -132,6 +133,7 @@ class Job:
             forget_modules(set(sys.modules) - saved_modules)
             stop_forkserver()
             gc.collect()
+            release_heap()
 
     def execute(self) -> int:
         """The job's exit code, as the interpreter would give it."""
@@ -162,6 +164,16 @@ class Job:
             return 1
         finally:
             RUNNING.clear()
+
+
+def release_heap() -> None:
+    """Give the heap a job freed back to the system: a run's tuned malloc (runtime.host_malloc) keeps
+    up to 1 GiB for its next step, and this process outlives the run (each pytest-xdist worker has
+    its own shared ranks)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def stop_forkserver() -> None:

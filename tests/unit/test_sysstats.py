@@ -26,6 +26,15 @@ def burn(seconds: float) -> None:
         pass
 
 
+@pytest.fixture(autouse=True)
+def no_shared_ranks():
+    """The sampler counts every child of this process: the suite's shared ranks (children of a
+    pytest process that ran launched tests before) poll in Horovod's background loop and would be
+    counted as busy workers."""
+    from tests import shared_ranks
+    shared_ranks.stop_all()
+
+
 @pytest.fixture
 def busy_child():
     child = subprocess.Popen(BUSY_CHILD)
