@@ -18,9 +18,13 @@ demo: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) -m hvdtrain --config demo $(ARGS)
 
+# Two pytest-xdist workers: while one waits (a Slurm job's scheduling, ssh, a deadline, a stop
+# signal's round trip) the other computes. A test file stays on one worker, tests/multinode on one.
+TEST_WORKERS ?= 2
+
 test: setup
 	@VENV="$(VENV)" bash scripts/test-deps.sh
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The docker image built for real with podman (offline Debian base, the host's CA bundle as a build
 # secret) and run through chroot: check-build, a 2-rank demo epoch, sshd -t, no secrets/compilers.
@@ -38,7 +42,8 @@ bench: setup
 
 # The edit-run loop: the unit tests and one launched smoke test (train, checkpoint, resume, compare).
 test-fast: setup
-	$(PY) -m pytest tests/unit tests/parallel/test_smoke.py -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/parallel/test_smoke.py -m "not slow" -n $(TEST_WORKERS) --dist loadgroup \
+		$(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

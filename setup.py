@@ -19,7 +19,7 @@ setup(
                     # `mlflow server`, W&B offline, a two-node Ray cluster, a moto S3 server, shards read
                     # back by webdataset), the digits dataset (scikit-learn), timm's models and
                     # TensorBoard's own event reader (the curves hvdtrain writes, read as TensorBoard reads them).
-                    "test": ["pytest==9.2.0", "mlflow==3.17.2", "wandb==0.31.0", "ray[default]==2.60.0", "tensorboard==2.21.0",
+                    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "mlflow==3.17.2", "wandb==0.31.0", "ray[default]==2.60.0", "tensorboard==2.21.0",
                              "scikit-learn==1.9.1", "timm==1.0.31", "webdataset==1.0.2", "moto[server]==5.2.5",
                              "fsspec==2026.9.0", "s3fs==2026.9.0", "aiobotocore==3.10.0",
                              # data.decoder=nvimgcodec through nvImageCodec's CPU backend (no GPU in CI)

@@ -14,10 +14,15 @@ collect_ignore = [] if os.environ.get("HVDTRAIN_TEST_IMAGE") else ["image"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tiers of pytest.ini, by where a test lives: ``pytest -m "not slurm"`` and the like."""
+    """The tiers of pytest.ini, by where a test lives: ``pytest -m "not slurm"`` and the like; and
+    the groups pytest-xdist keeps on one worker (``make test``: ``-n 2 --dist loadgroup``): a test
+    file's tests together, so that its module fixtures (an uninterrupted run, a server on a fixed
+    port, a Ray cluster) are made once; every test of tests/multinode together, since they share
+    this machine's sshd, /etc/hosts, ~/.ssh/config and its Slurm cluster."""
     for item in items:
         path = Path(str(item.fspath))
         folder = path.parent.name
+        item.add_marker(pytest.mark.xdist_group("machine" if folder == "multinode" else str(path)))
         if folder == "parallel":
             item.add_marker("launched")
         if folder == "multinode":

@@ -15,7 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ATTACKER = "sec49b"
+# One user per pytest-xdist worker ("gw0", "gw1"): each worker makes and removes its own.
+ATTACKER = "sec49b" + os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
 _made: list[str] = []
 
 
