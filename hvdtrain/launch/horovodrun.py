@@ -65,17 +65,32 @@ def exit_record(rank: int, code: int, cause: str) -> str | None:
     return f"{RECORD} {token} " + json.dumps({"rank": rank, "code": code, "cause": cause.strip()[:2000]})
 
 
+# mpirun's closing block when a rank exits with a non-zero code ("... Per user-direction, the job has
+# been aborted.", "mpirun detected that one or more processes exited with non-zero status ..."):
+# where a rank recorded its cause, hvdtrain's own last line says it in one line instead.
+MPIRUN_ABORT = ("Per user-direction, the job has been aborted",
+                "detected that one or more processes exited with non-zero status")
+
+
+def is_rule(line: str) -> bool:
+    """mpirun frames its messages with a line of dashes."""
+    return re.fullmatch(r"-{20,}", line.strip()) is not None
+
+
 class Output:
-    """Copies one of horovodrun's streams to ours, line by line, minus the ranks' exit records and
-    horovodrun's closing traceback; collects the records (shared by both streams' threads)."""
+    """Copies one of horovodrun's streams to ours, line by line, minus the ranks' exit records,
+    horovodrun's closing traceback and mpirun's abort blocks; collects the records (shared by both
+    streams' threads)."""
 
     def __init__(self, token: str, records: list[dict], lock: threading.Lock):
         self.marker = f"{RECORD} {token} "
         self.records, self.lock = records, lock
         self.launcher_error: list[str] = []  # horovodrun's own traceback, held back
+        self.abort_blocks: list[str] = []  # mpirun's, held back (main prints them where no rank said why)
 
     def copy(self, source: IO[bytes], sink: IO[str]) -> None:
         held: str | None = None
+        block: list[str] | None = None
         for raw in iter(source.readline, b""):
             line = raw.decode(errors="replace")
             if self.marker in line:
@@ -83,6 +98,12 @@ class Output:
                 continue
             if self.launcher_error:
                 self.launcher_error.append(line)
+                continue
+            if block is not None:
+                block.append(line)
+                if is_rule(line) and len(block) > 1:
+                    self.end_block(block, sink)
+                    block = None
                 continue
             if held is not None:
                 # horovodrun's own traceback opens with its script's frame; a rank's opens with its own.
@@ -95,10 +116,23 @@ class Output:
             if line.rstrip("\r\n") == "Traceback (most recent call last):":
                 held = line
                 continue
+            if is_rule(line):
+                block = [line]
+                continue
             sink.write(line)
             sink.flush()
         if held is not None:
             sink.write(held)
+        if block is not None:
+            sink.write("".join(block))
+        sink.flush()
+
+    def end_block(self, block: list[str], sink: IO[str]) -> None:
+        text = "".join(block)
+        if any(words in " ".join(text.split()) for words in MPIRUN_ABORT):
+            self.abort_blocks.append(text)
+            return
+        sink.write(text)
         sink.flush()
 
     def take_record(self, line: str) -> None:
@@ -120,14 +154,25 @@ def first_process(launcher_error: list[str]) -> tuple[int | None, int | None]:
     return (int(name.group(1)) if name else None), (int(code.group(1)) if code else None)
 
 
+def chosen_record(records: list[dict]) -> dict | None:
+    """The record whose code and cause the job reports: the first rank that named a cause (ranks
+    that only followed it, a lost peer, name none); where all that named one agree on the code (a
+    stop every rank made), rank 0's, which names what rank 0 alone knows (the checkpoint it wrote)."""
+    named = [r for r in records if r["cause"]]
+    if not named:
+        return records[0] if records else None
+    if len({r["code"] for r in named}) == 1:
+        return min(named, key=lambda r: r["rank"])
+    return named[0]
+
+
 def outcome(returncode: int, records: list[dict], launcher_error: list[str]) -> tuple[int, str]:
     """The code to return and the last line to print."""
     if returncode == 0 and not records:
         return 0, ""
-    # The first rank that named a cause: ranks that only followed it (a lost peer) name none.
     if not records and not launcher_error:  # mpirun's own code (horovodrun --mpi becomes mpirun), or a usage error
         return returncode, f"hvdtrain launch: exit {returncode}: no rank recorded a cause: see the output above"
-    chosen = next((r for r in records if r["cause"]), records[0] if records else None)
+    chosen = chosen_record(records)
     if chosen is not None:
         code = chosen["code"]
         meaning = MEANINGS.get(code, f"exit code {code}")
@@ -355,6 +400,9 @@ def main(argv: list[str]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     code, line = outcome(returncode, records, out.launcher_error + err.launcher_error)
+    if not any(record["cause"] for record in records):  # nothing of hvdtrain's own says why: mpirun's words
+        for block in out.abort_blocks + err.abort_blocks:
+            sys.stderr.write(block)
     if line:
         print(line, file=sys.stderr, flush=True)
     return code

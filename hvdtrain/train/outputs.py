@@ -204,6 +204,8 @@ def bad_files_note(train: dict, val: dict) -> str:
 def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: int) -> None:
     position = run.state.position
     path = save_checkpoint(run, outputs.saver, must=True)
+    # Rank 0 writes it; every rank's line names it (the launcher may report any rank's).
+    path = dist.broadcast_object(str(path) if path is not None else None, name="hvdtrain.stop_checkpoint")
     line = (f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
             f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
             f"Resume with the same command (checkpoint.resume=auto).")

@@ -79,3 +79,38 @@ def test_a_rank_writes_a_record_only_under_the_launcher(monkeypatch):
     monkeypatch.setenv(launch.TOKEN_VARIABLE, TOKEN)
     assert launch.exit_record(0, 0, "") is None
     assert launch.exit_record(1, 75, "stopped\n") == f'hvdtrain-exit {TOKEN} {{"rank": 1, "code": 75, "cause": "stopped"}}'
+
+
+MPIRUN_ABORT = """-------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+-------------------------------------------------------
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[41305,1],1]
+  Exit code:    75
+--------------------------------------------------------------------------
+"""
+OTHER_BLOCK = """--------------------------------------------------------------------------
+WARNING: There was an error initializing an OpenFabrics device.
+--------------------------------------------------------------------------
+"""
+
+
+def test_mpiruns_abort_blocks_are_held_back_and_its_other_messages_kept():
+    kept, _, output = copied("[1,0]<stdout>:epoch 1/3 ...\n" + OTHER_BLOCK + MPIRUN_ABORT + "after\n")
+    assert kept == "[1,0]<stdout>:epoch 1/3 ...\n" + OTHER_BLOCK + "after\n"
+    assert "".join(output.abort_blocks) == MPIRUN_ABORT
+
+
+def test_a_stop_every_rank_made_is_told_in_rank_0s_words():
+    # Rank 1's record came first; both stopped: rank 0's line names the checkpoint it wrote.
+    records = [{"rank": 1, "code": 75, "cause": "stopped by SIGTERM ...; checkpoint saved to runs/x/last.pt."},
+               {"rank": 0, "code": 75, "cause": "stopped by SIGTERM ...; checkpoint saved to runs/x/step-4.pt."}]
+    code, line = launch.outcome(1, records, [])
+    assert code == 75 and line.endswith("rank 0: stopped by SIGTERM ...; checkpoint saved to runs/x/step-4.pt.")
+    # Different codes: the first rank that named a cause is the one to tell (rank 1 crashed, rank 0 followed).
+    records = [{"rank": 1, "code": 1, "cause": "RuntimeError: boom"}, {"rank": 0, "code": 75, "cause": "stopped"}]
+    assert launch.outcome(1, records, [])[0] == 1
