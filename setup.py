@@ -37,5 +37,5 @@ setup(
                     "wandb": ["wandb==0.31.0"], "mlflow": ["mlflow==3.17.2"],
                     # hvdtrain ray (docs/ray.md); [default] brings the dashboard's state API and job server
                     "ray": ["ray[default]==2.60.0"]},
-    entry_points={"console_scripts": ["hvdtrain=hvdtrain.cli:main"]},
+    entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},
 )

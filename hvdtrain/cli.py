@@ -18,6 +18,7 @@ from .comm import launcher_env as launcher
 from . import outcome
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
 from .config import PACKAGED_CONFIGS, dump_yaml, load_config
+from .fault import signals
 
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (Horovod is not initialized yet, nor imported)."""
@@ -206,11 +207,20 @@ def pick_command(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]
     return cmd_train, argv
 
 
+# Commands that act on a stop signal caught during start-up (fault/signals.py): train stops at its
+# first step with a checkpoint, launch hands it to the ranks. The others end on it, as they would have.
+KEEP_EARLY_STOPS = ("train", "launch")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own (python -m hvdtrain caught them already): not a caller's
+        signals.catch()
     argv = list(sys.argv[1:] if argv is None else argv)
     code = outcome.EXIT_CRASH
     try:
         command, args = pick_command(argv)
+        if command not in [COMMANDS[name] for name in KEEP_EARLY_STOPS]:
+            signals.release()
         code = command(args)
         return code
     except KeyboardInterrupt:

@@ -34,6 +34,7 @@ import torch
 
 from .. import outcome
 from ..comm import dist, launcher_env as launcher
+from . import signals
 from .spot import NoticeWatcher
 
 # Ctrl-C (SIGINT) stops a run the same way: a checkpoint at the next step boundary, exit 75, the
@@ -50,6 +51,7 @@ class StopRequest:
         self.received: int | str | None = None  # a signal number, or a cloud notice's line
         self.received_at: float | None = None   # when the first stop signal came (time.monotonic)
         self.acted = False  # the ranks agreed on the stop: the loop checkpoints and leaves
+        self.from_file = False  # received: the batch script's stop file (a signal, told as text)
         self.notice, self.notice_url, self.poll_seconds = notice, notice_url, poll_seconds
         self.everywhere: torch.Tensor | None = None  # [ranks with a signal, ranks with a notice]
         self.before_early: dict = {}  # the process's own handlers while keep_early() holds them
@@ -79,15 +81,19 @@ class StopRequest:
     def pending_since(self) -> float | None:
         """When a stop signal came that the ranks have not yet agreed on (None: none, or agreed): the
         watchdog ends a rank that makes no progress for dist.timeout_seconds from then on."""
-        return None if self.acted or not isinstance(self.received, int) else self.received_at
+        signalled = isinstance(self.received, int) or self.from_file
+        return None if self.acted or not signalled else self.received_at
 
     def keep_early(self) -> None:
         """From now until ``installed()`` (start-up: building the loaders, resuming), a stop signal is
         kept rather than fatal (SIGUSR1's default action ends the process): the run then stops at
         its first step boundary, with exit 75, like a signal that comes later. A batch system's
-        signal ahead of the time limit can come at any moment of a short job. ``release_early()``
-        gives the process its handlers back."""
+        signal ahead of the time limit can come at any moment of a short job; one that came while
+        ``python -m hvdtrain`` was still importing (fault/signals.py) is taken over here.
+        ``release_early()`` gives the process its handlers back."""
         self.before_early = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
+        if self.received is None and signals.caught() is not None:
+            self.received, self.received_at = signals.caught(), time.monotonic()
 
     def release_early(self) -> None:
         for sig, handler in self.before_early.items():
@@ -161,9 +167,16 @@ class StopRequest:
         return bool(self.everywhere.sum() > 0)
 
     def local(self) -> torch.Tensor:
-        """This rank's part of an agreement: [a stop signal received, a notice seen]."""
-        return torch.tensor([1.0 if isinstance(self.received, int) else 0.0,
-                             1.0 if isinstance(self.received, str) else 0.0], dtype=torch.float64)
+        """This rank's part of an agreement: [a stop signal received, a notice seen]. A batch
+        script's stop file (fault/signals.py) counts as its signal."""
+        if self.received is None:
+            named = signals.stop_file_signal()
+            if named is not None:
+                self.received = f"SIG{named} (to the batch script)"
+                self.from_file, self.received_at = True, self.received_at or time.monotonic()
+        signalled = isinstance(self.received, int) or self.from_file
+        noticed = isinstance(self.received, str) and not self.from_file
+        return torch.tensor([1.0 if signalled else 0.0, 1.0 if noticed else 0.0], dtype=torch.float64)
 
     def reason(self) -> str:
         if isinstance(self.received, str):

@@ -12,7 +12,8 @@ out of the output, drops horovodrun's own closing traceback, and ends with
 
 returning that code. The record travels in the ranks' output, which horovodrun brings back from
 every host, so it works across machines; the token keeps a line that only looks like a record
-(a file name in a warning, say) from being taken for one. ``mpirun`` and ``srun`` already return
+(a file name in a warning, say) from being taken for one. A stop signal sent to the launcher goes to
+this host's ranks once they catch it (``Forwarder``). ``mpirun`` and ``srun`` already return
 the ranks' codes and need none of this.
 """
 
@@ -27,10 +28,14 @@ import secrets
 import signal
 import socket
 import subprocess
+import select
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO
+
+from ..fault import signals
 
 from ..train.preflight import check_train_args, hvdtrain_train_args
 
@@ -266,25 +271,204 @@ def without_home_cache(argv: list[str], home: str | None = None) -> tuple[list[s
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")  # set by horovodrun --gloo, by mpirun
 
 
-def local_ranks(launcher_pid: int, token: str) -> list[int]:
-    """The pids of the job's ranks on this host, with their loader workers (which ignore stop
-    signals): the launcher's descendants whose environment has the job's token and a rank variable.
-    horovodrun, its shell and mpirun carry the token but no rank variable."""
-    import psutil  # Horovod's own dependency
+def local_ranks(launcher_pid: int, token: str) -> dict[int, tuple[int, str]]:
+    """The job's ranks on this host, with their loader workers (which ignore stop signals) and any
+    shell a rank was started through: the launcher's descendants whose environment has the job's
+    token and a rank variable, as pid -> (parent pid, rank). horovodrun, its shell and mpirun carry
+    the token but no rank variable."""
+    import psutil  # Horovod's own dependency; main() imports it before any signal can come
 
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.Error:
-        return []
-    found = []
+        return {}
+    found = {}
     for child in children:
         try:
             environ = child.environ()
+            parent = child.ppid()
         except psutil.Error:
             continue
-        if environ.get(TOKEN_VARIABLE) == token and any(name in environ for name in RANK_VARIABLES):
-            found.append(child.pid)
+        rank = next((environ[name] for name in RANK_VARIABLES if name in environ), None)
+        if environ.get(TOKEN_VARIABLE) == token and rank is not None:
+            found[child.pid] = (parent, rank)
     return found
+
+
+def disposition(pid: int, signum: int, proc: Path = Path("/proc")) -> str:
+    """What process ``pid`` does with ``signum`` now: ``caught`` (a handler), ``ignored`` or
+    ``default`` (ends on it), from ``SigCgt``/``SigIgn`` of its status. A rank just started is still
+    importing Python, and hvdtrain's handler comes with its first line (fault/signals.py). A
+    process that is gone counts as ``caught``: nothing to wait for."""
+    try:
+        status = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return "caught"
+    masks = dict(re.findall(r"^(SigCgt|SigIgn):\s*([0-9a-fA-F]+)$", status, re.MULTILINE))
+    bit = 1 << (signum - 1)
+    if int(masks.get("SigCgt", "0"), 16) & bit:
+        return "caught"
+    return "ignored" if int(masks.get("SigIgn", "0"), 16) & bit else "default"
+
+
+def host_slots(argv: list[str]) -> list[tuple[str, int]] | None:
+    """The hosts horovodrun starts ranks on, in order, with their slots (-H, --hosts, --hostfile);
+    None where a discovery script decides; no option: this host (horovodrun's default, localhost)."""
+    if option_value(argv, ("--host-discovery-script",)) is not None:
+        return None
+    listed = option_value(argv, ("-H", "--hosts"))
+    if listed is not None:
+        return [(entry.split(":")[0], slots(entry.split(":", 1)[1] if ":" in entry else "1"))
+                for entry in listed.split(",") if entry]
+    hostfile = option_value(argv, ("--hostfile", "-hostfile"))
+    if hostfile is not None:
+        try:
+            lines = Path(hostfile).read_text().splitlines()
+        except OSError:
+            return None
+        words = [line.split() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        return [(word[0], next((slots(w.split("=", 1)[1]) for w in word[1:] if w.startswith("slots=")), 1))
+                for word in words]
+    return [("localhost", slots(option_value(argv, ("-np", "--num-proc")) or "1"))]
+
+
+def slots(text: str) -> int:
+    return int(text) if text.strip().isdigit() else 1
+
+
+def ranks_expected_here(argv: list[str]) -> int | None:
+    """How many ranks horovodrun starts on this host: the hosts fill in order, up to -np in all
+    (None where a discovery script decides)."""
+    hosts = host_slots(argv)
+    if hosts is None:
+        return None
+    left = slots(option_value(argv, ("-np", "--num-proc")) or str(sum(count for _, count in hosts)))
+    here = 0
+    for host, count in hosts:
+        taken = min(count, left)
+        left -= taken
+        if is_this_host(host):
+            here += taken
+    return here
+
+
+class Forwarder:
+    """Hands a stop signal the launcher gets (a scheduler's, a batch script's) to this host's ranks,
+    which agree on it with the others and checkpoint: horovodrun would end them instead (under
+    mpirun within a second, under Gloo within 5 s). With no rank on this host, horovodrun gets it.
+
+    The handler only writes the signal's number into a pipe; a thread of its own does the rest.
+    A second signal while the first is handled (a batch shell and its helper step both passing
+    one on, ``scontrol requeue``) is absorbed: the ranks are stopping already; but a second Ctrl-C
+    interrupts at once, as it does a single process (exit 130). Ranks still starting
+    get the signal once all of this host's have started and catch it (``disposition``): until then
+    it would end them, and one that has not started would only hear of the stop from the others."""
+
+    READY_WAIT_SECONDS = 30.0  # a program that never catches it (not hvdtrain's CLI) gets it then
+
+    def __init__(self, job: subprocess.Popen, token: str, expected_here: int | None) -> None:
+        self.job, self.token, self.expected_here = job, token, expected_here
+        self.ranks_here = expected_here is None or expected_here > 0
+        self.read_end, self.write_end = os.pipe()
+        self.first: int | None = None
+        self.thread = threading.Thread(target=self.run, name="hvdtrain-launch-forward", daemon=True)
+
+    def handler(self, signum: int, _frame) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.write_end, bytes([signum]))
+
+    def start(self) -> "Forwarder":
+        self.thread.start()
+        return self
+
+    def run(self) -> None:
+        while True:
+            signum = self.next_signal(None)
+            if signum is None:
+                return
+            if self.first is None:
+                self.first = signum
+                self.deliver(signum)
+            else:
+                self.again(signum)
+
+    def next_signal(self, timeout: float | None) -> int | None:
+        """The next signal the handler wrote (None: none within ``timeout``, or the pipe closed)."""
+        if timeout is not None and not select.select([self.read_end], [], [], timeout)[0]:
+            return None
+        try:
+            data = os.read(self.read_end, 1)
+        except OSError:
+            return None
+        return data[0] if data else None
+
+    def again(self, signum: int) -> None:
+        """A signal after the first: absorbed, but for a second Ctrl-C, which interrupts at once
+        (the ranks' own second SIGINT, and horovodrun's: exit 130, no checkpoint)."""
+        if signum == signal.SIGINT and self.first == signal.SIGINT and self.job.poll() is None:
+            self.kill(list(local_ranks(self.job.pid, self.token)), signum)
+            with contextlib.suppress(OSError):
+                self.job.send_signal(signum)
+
+    def deliver(self, signum: int) -> None:
+        """Once every rank here catches ``signum`` (the innermost processes of the ranks' trees: a
+        shell a rank runs under waits for its Python), it goes to the processes that catch it; a
+        shell is left alone (ending it would end its rank)."""
+        deadline = time.monotonic() + self.READY_WAIT_SECONDS
+        while self.job.poll() is None:
+            ranks = local_ranks(self.job.pid, self.token) if self.ranks_here else {}
+            parents = {parent for parent, _ in ranks.values()}
+            innermost = [pid for pid in ranks if pid not in parents]
+            started = len({rank for _, rank in ranks.values()})
+            # Whether a rank is ready is read from SIGTERM, whatever the signal: hvdtrain catches the
+            # stop signals together on its first line, while Python catches SIGINT from its own start
+            # (KeyboardInterrupt, which would end a rank still importing).
+            if innermost and started >= (self.expected_here or 1) \
+                    and all(self.ready(pid, ranks, signal.SIGTERM) for pid in innermost):
+                self.kill([pid for pid in ranks if disposition(pid, signal.SIGTERM) == "caught"], signum)
+                return
+            if not self.ranks_here or time.monotonic() > deadline:
+                self.kill(list(ranks), signum)
+                if not ranks:
+                    with contextlib.suppress(OSError):
+                        self.job.send_signal(signum)
+                return
+            later = self.next_signal(0.05)  # ranks still starting: /proc says when they catch it
+            if later is not None:
+                self.again(later)
+                if later == signal.SIGINT and self.first == signal.SIGINT:
+                    return
+
+    @staticmethod
+    def ready(pid: int, ranks: dict[int, tuple[int, str]], signum: int) -> bool:
+        """A rank's process catches the signal; a loader worker (a rank's child) ignores it while
+        its rank catches it."""
+        here = disposition(pid, signum)
+        if here == "caught":
+            return True
+        parent = ranks[pid][0]
+        return here == "ignored" and parent in ranks and disposition(parent, signum) == "caught"
+
+    @staticmethod
+    def kill(pids: list[int], signum: int) -> None:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signum)
+
+    def close(self) -> None:
+        os.close(self.write_end)
+        self.thread.join(timeout=5)
+        os.close(self.read_end)
+
+
+def stop_before_start() -> str | None:
+    """A stop asked for before horovodrun starts (caught during the launcher's own start-up, or the
+    batch script's stop file): its signal's name, else None."""
+    caught = signals.caught()
+    if caught is not None:
+        return signal.Signals(caught).name
+    named = signals.stop_file_signal()
+    return f"SIG{named} (to the batch script)" if named else None
 
 
 # horovodrun's options that take no value (horovod/runner/launch.py's store_true and override
@@ -351,6 +535,13 @@ def main(argv: list[str]) -> int:
     for line in (note, cache_note):
         if line:
             print(line, file=sys.stderr, flush=True)
+    import psutil  # noqa: F401 - loaded now: a signal handled while it loads would find it half-made
+
+    early = stop_before_start()
+    if early:
+        print(f"hvdtrain launch: exit 75 (stopped before the ranks started, by {early}: nothing to "
+              f"checkpoint; run the same command to resume)", file=sys.stderr, flush=True)
+        return 75
     token = secrets.token_hex(16)
     env = {**os.environ, TOKEN_VARIABLE: token}
     try:
@@ -364,22 +555,12 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return 2
     # A stop signal sent to the launcher alone (a scheduler's, a batch script's, a Ctrl-C) goes to
-    # this host's ranks, which agree on it with the others, checkpoint and name it: horovodrun would
-    # end them instead (under mpirun within a second, under Gloo within 5 s, with SIGTERM). With no
-    # rank here, horovodrun gets it; a second Ctrl-C goes to horovodrun too (the ranks then leave
-    # at once, exit 130).
-    interrupts = [0]
-
-    def forward(signum, _frame):
-        if job.poll() is None:
-            interrupts[0] += signum == signal.SIGINT
-            ranks = local_ranks(job.pid, token)
-            for pid in ranks:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signum)
-            if not ranks or interrupts[0] > 1:
-                job.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    # this host's ranks, which agree on it with the others, checkpoint and name it (the Forwarder).
+    forwarder = Forwarder(job, token, ranks_expected_here(argv)).start()
+    previous = {s: signal.signal(s, forwarder.handler) for s in signals.STOP_SIGNALS}
+    caught = signals.caught()  # between the check above and the handler
+    if caught is not None:
+        forwarder.handler(caught, None)
     records: list[dict] = []
     lock = threading.Lock()
     out, err = Output(token, records, lock), Output(token, records, lock)
@@ -399,6 +580,7 @@ def main(argv: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        forwarder.close()
     code, line = outcome(returncode, records, out.launcher_error + err.launcher_error)
     if not any(record["cause"] for record in records):  # nothing of hvdtrain's own says why: mpirun's words
         for block in out.abort_blocks + err.abort_blocks:

@@ -215,3 +215,29 @@ def test_ctrl_c_at_the_terminal_stops_the_ranks_with_a_checkpoint_naming_sigint(
     assert job.returncode == 75, output
     assert "stopped by SIGINT (Ctrl-C) in epoch" in output and "stopped by SIGTERM" not in output, output
     assert "Traceback" not in output and rank_pids(str(run_dir)) == {}
+
+
+def test_two_stop_signals_while_the_ranks_start_end_in_a_checkpoint(tiny_data, tmp_path):
+    """SIGTERM twice within 100 ms while the ranks are still starting (a batch shell and its helper
+    step, or scontrol requeue, may send two): the launcher hands one to each rank once the rank
+    catches it, and the ranks stop at their first step with a checkpoint and 75. Before, the second
+    signal crashed the launcher (psutil half-imported in its handler) or the first ended the ranks."""
+    run_dir = tmp_path / "run"
+    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=12")]
+    job = subprocess.Popen(launched("--gloo", program), cwd=tmp_path, env=job_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not rank_pids(str(run_dir)) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the ranks' processes exist: they are importing Python, torch and Horovod
+        job.send_signal(signal.SIGTERM)
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=180)
+    finally:
+        job.kill()
+    assert job.returncode == 75, output
+    # Every rank of this host gets it (none is left to hear of it from the others) once all have started.
+    assert output.count("stopped by SIGTERM in epoch 1/12 at step 0/") >= 1 and "Traceback" not in output, output
+    assert "rank 0: stopped by SIGTERM in epoch 1/12 at step 0/" in output.splitlines()[-1], output
+    assert f"checkpoint saved to {run_dir}/checkpoints/" in output.splitlines()[-1], output
+    assert (run_dir / "checkpoints" / "last.pt").exists() and rank_pids(str(run_dir)) == {}

@@ -1,0 +1,86 @@
+"""A stop asked for before training can act on it: the scheduler's signals from the first line of
+``python -m hvdtrain`` on, and the batch scripts' stop file.
+
+A batch system's stop (Slurm's ``--signal=B:TERM@120`` ahead of the time limit, ``scancel
+--signal``, a preemption) can come at any moment of a job's life, also while a rank is still
+importing torch, seconds before the training loop installs its own handler
+(fault/preemption.py). SIGUSR1's default action ends the process (Slurm: FAILED 138, not
+requeued), so ``python -m hvdtrain`` catches both signals first thing (``catch``); the training
+loop takes over what was caught (``caught``), and a command that does not train gives the process
+its default handlers back and the signal with them (``release``).
+
+The batch scripts (hostfiles/slurm/requeue.sh) also write the signal's name into a stop file,
+``$HVDTRAIN_STOP_FILE``, in a folder only the job's user can write to: a rank that is not yet
+started when the signal comes, or whose launcher cannot hand signals on yet (srun creating its
+step, horovodrun starting mpirun), finds it when it asks whether to stop (``stop_file_signal``).
+
+Light on purpose (no torch, no Horovod): it runs before either is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from typing import Any, Mapping
+
+# Ctrl-C too: a stop like the others (fault/preemption.py); a second one interrupts at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_FILE_VARIABLE = "HVDTRAIN_STOP_FILE"
+
+_caught: list[int] = []  # appended to by the handler: safe when a second signal interrupts the first
+_before: dict[int, Any] = {}
+
+
+def _record(signum: int, _frame: Any) -> None:
+    if signum == signal.SIGINT and signal.SIGINT in _caught:
+        raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait
+    _caught.append(signum)
+
+
+def catch() -> None:
+    """From now on, SIGTERM, SIGUSR1 and a first SIGINT are recorded instead of ending the process."""
+    if _before:
+        return
+    for sig in STOP_SIGNALS:
+        _before[sig] = signal.signal(sig, _record)
+
+
+def catching() -> bool:
+    return bool(_before)
+
+
+def caught() -> int | None:
+    """The first stop signal caught since ``catch``, or None."""
+    return _caught[0] if _caught else None
+
+
+def release() -> None:
+    """The handlers from before ``catch`` back; a signal caught meanwhile is then delivered again,
+    so that a command that does not train ends on it as it would have."""
+    if not _before:
+        return
+    for sig, handler in _before.items():
+        signal.signal(sig, handler)
+    _before.clear()
+    first = caught()
+    _caught.clear()
+    if first is not None:
+        os.kill(os.getpid(), first)
+
+
+def stop_file_signal(env: Mapping[str, str] | None = None) -> str | None:
+    """The signal name a batch script wrote into ``$HVDTRAIN_STOP_FILE`` (``TERM``), or None
+    while there is no such file. Anything but a signal's name in it reads as ``TERM``."""
+    path = (os.environ if env is None else env).get(STOP_FILE_VARIABLE, "")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(32).decode(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "TERM"  # there but unreadable: it was written to stop us
+    name = text.removeprefix("SIG")
+    return name if re.fullmatch(r"[A-Z0-9]{2,8}", name) else "TERM"

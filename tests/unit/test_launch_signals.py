@@ -1,0 +1,162 @@
+"""A stop signal at any moment of a job's life: ``hvdtrain launch`` hands it to a rank once the rank
+catches it, absorbs a repeat, and stops before starting anything when the stop came first; the
+ranks' own early catch (fault/signals.py). horovodrun is a stand-in here (a script that starts one
+"rank"); tests/parallel/test_launch.py and tests/multinode/test_slurm_requeue.py run the real ones."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from hvdtrain.fault import signals
+from hvdtrain.launch import horovodrun as launch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# horovodrun's stand-in: starts the rank with a rank variable and SIGTERM's default action (as mpirun
+# and horovodrun's Gloo start their ranks, whatever the launcher ignores), returns its code.
+FAKE_HOROVODRUN = f"""#!{sys.executable}
+import os, signal, subprocess, sys
+rank = subprocess.Popen([sys.executable, os.environ["RANK_SCRIPT"]], env={{**os.environ, "HOROVOD_RANK": "0"}},
+                        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+sys.exit(rank.wait())
+"""
+# The rank: no handler until the test says "go" (a rank still importing), then it counts the stop
+# signals it gets, and leaves with 75 and its exit record, as hvdtrain's ranks do.
+RANK = """
+import os, signal, sys, time
+from pathlib import Path
+from hvdtrain.launch.horovodrun import exit_record
+log = Path(os.environ["LOG"])
+log.write_text("started\\n")
+while not Path(os.environ["GO"]).exists():
+    time.sleep(0.01)
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+with log.open("a") as out:
+    out.write("ready\\n")
+while not got:
+    time.sleep(0.01)
+time.sleep(0.5)  # a second signal, had one been sent, arrives meanwhile
+with log.open("a") as out:
+    out.write(f"got {len(got)}\\n")
+sys.stderr.write(exit_record(0, 75, "stopped by SIGTERM") + "\\n")
+sys.exit(75)
+"""
+LAUNCHER = ("import sys; from hvdtrain.fault import signals; signals.catch(); "
+            "from hvdtrain.launch import horovodrun as l; l.horovodrun = lambda: sys.argv[1]; "
+            "sys.exit(l.main(sys.argv[2:]))")
+
+
+def start_launcher(tmp_path: Path, **extra: str) -> subprocess.Popen:
+    fake = tmp_path / "horovodrun"
+    fake.write_text(FAKE_HOROVODRUN)
+    fake.chmod(0o755)
+    (tmp_path / "rank.py").write_text(RANK)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "RANK_SCRIPT": str(tmp_path / "rank.py"),
+           "LOG": str(tmp_path / "log"), "GO": str(tmp_path / "go"), **extra}
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, str(fake), "-np", "1", "-H", "localhost:1", "x"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: Path, text: str, job: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.02)
+    raise AssertionError(f"no '{text}' in {path}")
+
+
+def test_a_repeated_stop_during_a_ranks_start_up_reaches_it_once_it_catches_it(tmp_path):
+    job = start_launcher(tmp_path)
+    try:
+        wait_for(tmp_path / "log", "started", job)
+        job.send_signal(signal.SIGTERM)  # twice within 100 ms, while the rank cannot catch it yet
+        job.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the launcher must hold it back: delivered now, it would end the rank
+        (tmp_path / "go").touch()
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 75, err
+    assert (tmp_path / "log").read_text().splitlines() == ["started", "ready", "got 1"]
+    assert err.strip().splitlines()[-1] == ("hvdtrain launch: exit 75 (stopped after a checkpoint: run the same "
+                                            "command to resume), rank 0: stopped by SIGTERM")
+    assert "Traceback" not in err
+
+
+def test_a_stop_before_the_launch_ends_it_with_75_and_starts_nothing(tmp_path):
+    stop = tmp_path / "stop"
+    stop.write_text("TERM\n")
+    job = start_launcher(tmp_path, HVDTRAIN_STOP_FILE=str(stop))
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 75 and not (tmp_path / "log").exists()
+    assert err.strip() == ("hvdtrain launch: exit 75 (stopped before the ranks started, by SIGTERM (to the batch "
+                           "script): nothing to checkpoint; run the same command to resume)")
+
+
+def test_what_a_process_does_with_a_signal_comes_from_its_status(tmp_path):
+    status = tmp_path / "7" / "status"
+    status.parent.mkdir()
+    status.write_text("Name:\tpython\nSigIgn:\t0000000000000000\nSigCgt:\t0000000000000000\n")
+    assert launch.disposition(7, signal.SIGTERM, proc=tmp_path) == "default"
+    status.write_text("SigIgn:\t0000000000000000\nSigCgt:\t0000000000004000\n")  # bit 15: SIGTERM
+    assert launch.disposition(7, signal.SIGTERM, proc=tmp_path) == "caught"
+    assert launch.disposition(7, signal.SIGUSR1, proc=tmp_path) == "default"
+    status.write_text("SigIgn:\t0000000000000200\nSigCgt:\t0000000000000000\n")  # SIGUSR1 ignored (a loader worker)
+    assert launch.disposition(7, signal.SIGUSR1, proc=tmp_path) == "ignored"
+    assert launch.disposition(8, signal.SIGTERM, proc=tmp_path) == "caught"  # gone: nothing to wait for
+
+
+def test_the_launch_says_how_many_ranks_start_on_this_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "is_this_host", lambda host: host in ("localhost", "node0"))
+    assert launch.host_slots(["-np", "3", "-H", "node0:2,b:2", "python"]) == [("node0", 2), ("b", 2)]
+    assert launch.ranks_expected_here(["-np", "3", "-H", "node0:2,b:2", "python"]) == 2
+    assert launch.ranks_expected_here(["-np", "3", "-H", "b:2,node0:2", "python"]) == 1  # hosts fill in order
+    assert launch.ranks_expected_here(["-np", "2", "-H", "b:2,c:2", "python"]) == 0
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# comment\nnode0 slots=2\n\nnode1 slots=2\n")
+    assert launch.host_slots(["--hostfile", str(hostfile), "python"]) == [("node0", 2), ("node1", 2)]
+    assert launch.ranks_expected_here(["-np", "4", "--hostfile", str(hostfile), "python"]) == 2
+    assert launch.ranks_expected_here(["-np", "2", "python"]) == 2  # no hosts: all on this one
+    assert launch.ranks_expected_here(["--host-discovery-script", "x.sh", "python"]) is None
+
+
+CAUGHT = textwrap.dedent("""
+    import os, signal, sys, time
+    from hvdtrain.fault import signals
+    signals.catch()
+    os.kill(os.getpid(), signal.SIGUSR1)  # during start-up: kept, not fatal
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    print(signals.caught() == signal.SIGUSR1, flush=True)
+    if sys.argv[1] == "release":
+        signals.release()  # a command that does not train: it ends on the signal, as it would have
+        time.sleep(5)
+    """)
+
+
+def test_a_stop_during_start_up_is_kept_for_the_loop_or_delivered_again():
+    kept = subprocess.run([sys.executable, "-c", CAUGHT, "keep"], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO)})
+    assert (kept.returncode, kept.stdout) == (0, "True\n"), kept.stderr
+    released = subprocess.run([sys.executable, "-c", CAUGHT, "release"], capture_output=True, text=True, timeout=60,
+                              env={"PYTHONPATH": str(REPO)})
+    assert released.returncode == -signal.SIGUSR1 and released.stdout == "True\n"
+
+
+def test_the_batch_scripts_stop_file_names_the_signal(tmp_path):
+    stop = tmp_path / "stop"
+    env = {signals.STOP_FILE_VARIABLE: str(stop)}
+    assert signals.stop_file_signal(env) is None and signals.stop_file_signal({}) is None
+    stop.write_text("USR1\n")
+    assert signals.stop_file_signal(env) == "USR1"
+    stop.write_text("$(rm -rf /)")
+    assert signals.stop_file_signal(env) == "TERM"
