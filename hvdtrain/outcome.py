@@ -97,9 +97,6 @@ def crash_cause(error: BaseException) -> None:
 
 def write_exit_record(code: int) -> None:
     """This rank's exit record for ``hvdtrain launch`` (nothing outside it, or for code 0)."""
-    from .launch.horovodrun import exit_record
+    from .launch.horovodrun import record_exit
 
-    record = exit_record(launcher.rank(), code, cause())
-    if record:  # one write: a launcher that tags output per write keeps it on one line
-        sys.stderr.write(record + "\n")
-        sys.stderr.flush()
+    record_exit(launcher.rank(), code, cause())

@@ -12,8 +12,9 @@ out of the output, drops horovodrun's own closing traceback, and ends with
 
 returning that code. The record travels in the ranks' output, which horovodrun brings back from
 every host, so it works across machines; the token keeps a line that only looks like a record
-(a file name in a warning, say) from being taken for one. A stop signal sent to the launcher goes to
-this host's ranks once they catch it (``Forwarder``). ``mpirun`` and ``srun`` already return
+(a file name in a warning, say) from being taken for one. A rank on the launcher's host also leaves
+it in a file of the launcher's private folder (``record_exit``). A stop signal sent to the launcher
+goes to this host's ranks once they catch it (``Forwarder``). ``mpirun`` and ``srun`` already return
 the ranks' codes and need none of this.
 """
 
@@ -30,6 +31,7 @@ import socket
 import subprocess
 import select
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ from ..fault import signals
 from ..train.preflight import check_train_args, hvdtrain_train_args
 
 TOKEN_VARIABLE = "HVDTRAIN_LAUNCH_TOKEN"
+RECORDS_VARIABLE = "HVDTRAIN_LAUNCH_RECORDS"
 RECORD = "hvdtrain-exit"
 MEANINGS = {
     1: "a crash",
@@ -68,6 +71,45 @@ def exit_record(rank: int, code: int, cause: str) -> str | None:
     if not token or code == 0:
         return None
     return f"{RECORD} {token} " + json.dumps({"rank": rank, "code": code, "cause": cause.strip()[:2000]})
+
+
+def record_exit(rank: int, code: int, cause: str) -> None:
+    """A rank's exit record, both ways: the line in its output (which horovodrun brings back from
+    every host), and, on the launcher's own host, a file in the launcher's private folder
+    (``$HVDTRAIN_LAUNCH_RECORDS``). mpirun told to end (a scheduler's SIGTERM to every process of
+    the job) sleeps before it ends its ranks and drops what they print meanwhile: the file is how the
+    stop they made then still reaches the launcher."""
+    line = exit_record(rank, code, cause)
+    if line is None:
+        return
+    sys.stderr.write(line + "\n")  # one write: a launcher that tags output per write keeps it on one line
+    sys.stderr.flush()
+    folder = os.environ.get(RECORDS_VARIABLE, "")
+    if folder and os.path.isdir(folder):
+        record = line.split(" ", 2)[2]
+        with contextlib.suppress(OSError):
+            scratch = os.path.join(folder, f".rank-{rank}.{os.getpid()}")
+            with open(scratch, "x", encoding="utf-8") as handle:
+                handle.write(record)
+            os.replace(scratch, os.path.join(folder, f"rank-{rank}.json"))
+
+
+def read_record_files(folder: Path) -> list[dict]:
+    """The records ranks on this host left in ``folder``, oldest first."""
+    found = []
+    for path in sorted(folder.glob("rank-*.json"), key=lambda p: p.stat().st_mtime_ns):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            found.append({"rank": int(record["rank"]), "code": int(record["code"]), "cause": str(record["cause"])})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def merged(records: list[dict], from_files: list[dict]) -> list[dict]:
+    """The records of the output, then those only a file brought (one per rank)."""
+    seen = {record["rank"] for record in records}
+    return records + [record for record in from_files if record["rank"] not in seen]
 
 
 # mpirun's closing block when a rank exits with a non-zero code ("... Per user-direction, the job has
@@ -543,7 +585,13 @@ def main(argv: list[str]) -> int:
               f"checkpoint; run the same command to resume)", file=sys.stderr, flush=True)
         return 75
     token = secrets.token_hex(16)
-    env = {**os.environ, TOKEN_VARIABLE: token}
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-launch-") as folder:  # mode 700: this user's alone
+        return launch(argv, token, Path(folder))
+
+
+def launch(argv: list[str], token: str, records_folder: Path) -> int:
+    """horovodrun with ``argv``, its output copied, the stop signals handed on: the code to return."""
+    env = {**os.environ, TOKEN_VARIABLE: token, RECORDS_VARIABLE: str(records_folder)}
     try:
         # horovodrun in a process group of its own: a terminal's Ctrl-C reaches this launcher alone,
         # which passes it on as SIGINT to the ranks (below); horovodrun would end them with SIGTERM,
@@ -581,6 +629,7 @@ def main(argv: list[str]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         forwarder.close()
+    records = merged(records, read_record_files(records_folder))
     code, line = outcome(returncode, records, out.launcher_error + err.launcher_error)
     if not any(record["cause"] for record in records):  # nothing of hvdtrain's own says why: mpirun's words
         for block in out.abort_blocks + err.abort_blocks:

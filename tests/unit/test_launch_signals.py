@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_HOROVODRUN = f"""#!{sys.executable}
 import os, signal, subprocess, sys
 rank = subprocess.Popen([sys.executable, os.environ["RANK_SCRIPT"]], env={{**os.environ, "HOROVOD_RANK": "0"}},
-                        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+                        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                        stderr=subprocess.DEVNULL if os.environ.get("DROP_OUTPUT") else None)
 sys.exit(rank.wait())
 """
 # The rank: no handler until the test says "go" (a rank still importing), then it counts the stop
@@ -31,7 +32,7 @@ sys.exit(rank.wait())
 RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from hvdtrain.launch.horovodrun import exit_record
+from hvdtrain.launch.horovodrun import record_exit
 log = Path(os.environ["LOG"])
 log.write_text("started\\n")
 while not Path(os.environ["GO"]).exists():
@@ -45,7 +46,7 @@ while not got:
 time.sleep(0.5)  # a second signal, had one been sent, arrives meanwhile
 with log.open("a") as out:
     out.write(f"got {len(got)}\\n")
-sys.stderr.write(exit_record(0, 75, "stopped by SIGTERM") + "\\n")
+record_exit(0, 75, "stopped by SIGTERM")
 sys.exit(75)
 """
 LAUNCHER = ("import sys; from hvdtrain.fault import signals; signals.catch(); "
@@ -90,6 +91,20 @@ def test_a_repeated_stop_during_a_ranks_start_up_reaches_it_once_it_catches_it(t
     assert err.strip().splitlines()[-1] == ("hvdtrain launch: exit 75 (stopped after a checkpoint: run the same "
                                             "command to resume), rank 0: stopped by SIGTERM")
     assert "Traceback" not in err
+
+
+def test_a_ranks_exit_record_reaches_the_launcher_when_its_output_is_lost(tmp_path):
+    """mpirun told to end (Slurm's SIGTERM to every process of a requeued job) drops what its ranks
+    print while it waits to end them: the record the rank leaves in the launcher's folder still
+    gives the code and the cause."""
+    job = start_launcher(tmp_path, DROP_OUTPUT="1")
+    wait_for(tmp_path / "log", "started", job)
+    (tmp_path / "go").touch()
+    wait_for(tmp_path / "log", "ready", job)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 75, err
+    assert err.strip().splitlines()[-1].endswith("rank 0: stopped by SIGTERM")
 
 
 def test_a_stop_before_the_launch_ends_it_with_75_and_starts_nothing(tmp_path):
