@@ -13,25 +13,51 @@ from hvdtrain.fault.attempts import exit_of, job_identity
 
 REQUEUE = Path(__file__).resolve().parents[2] / "hostfiles" / "slurm" / "requeue.sh"
 # Exits with $CODE after $TICKS tenths of a second, or with 75 once it gets SIGUSR1 (as the ranks do
-# after their checkpoint).
-COMMAND = "trap 'echo got USR1 >> \"$LOG\"; exit 75' USR1; echo started >> \"$LOG\"; " \
-          "for i in $(seq 1 $TICKS); do sleep 0.1; done; exit $CODE"
+# after their checkpoint), saying each SIGUSR1 it got and what the stop file holds.
+COMMAND = """trap 'echo got USR1 >> "$LOG"; stop=1' USR1; echo started >> "$LOG"; stop=0; i=0
+while ((stop == 0 && i < TICKS)); do
+    if [ -n "${READ_STOP_FILE:-}" ] && [ -s "$HVDTRAIN_STOP_FILE" ]; then echo "read the stop file" >> "$LOG"; stop=1; fi
+    sleep 0.1 & wait $!; i=$((i + 1))
+done
+if ((stop)); then
+    echo "stop file: $(cat "$HVDTRAIN_STOP_FILE")" >> "$LOG"
+    sleep 0.3 & wait $!  # a second signal, had one been passed on, arrives meanwhile
+    exit 75
+fi
+exit $CODE"""
+# The batch scripts' first lines: a stop signal is kept from the start (here: until the file "go").
+EARLY = ('stop_signal=""; trap \'stop_signal=${stop_signal:-TERM}\' TERM; trap \'stop_signal=${stop_signal:-USR1}\' USR1; '
+         'echo waiting >> "$LOG"; while [ ! -e "$GO" ]; do sleep 0.05 & wait $! || true; done; ')
+# scontrol: records its calls but `show`; `requeue` fails with REQUEUE_FAILS set, else Slurm's restart
+# count goes up by one; `show job` says JobState=$STATE and that count (or $SHOWN_RESTARTS).
+SCONTROL = """#!/bin/sh
+if [ "$1" = show ]; then
+    echo "JobId=42 JobName=x"; echo "   JobState=${STATE:-RUNNING} Reason=None"
+    restarts=${SLURM_RESTART_COUNT:-0}; [ -e "$LOG.requeued" ] && restarts=$((restarts + 1))
+    echo "   Requeue=1 Restarts=${SHOWN_RESTARTS:-$restarts} BatchFlag=1 Reboot=0 ExitCode=0:0"; exit 0
+fi
+echo "scontrol $*" >> "$LOG"
+if [ "$1" = requeue ] && [ -n "${REQUEUE_FAILS:-}" ]; then echo "$REQUEUE_FAILS" >&2; exit 1; fi
+[ "$1" = requeue ] && touch "$LOG.requeued"
+exit 0
+"""
 
 
 def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | None = None,
-          ticks: int = 100) -> subprocess.Popen:
+          ticks: int = 100, early: bool = False, forward_after: int = 0, **extra: str) -> subprocess.Popen:
     scontrol = tmp_path / "scontrol"
-    scontrol.write_text('#!/bin/sh\necho "scontrol $*" >> "$LOG"\n')
+    scontrol.write_text(SCONTROL)
     scontrol.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "LOG": str(tmp_path / "log"),
-           "CODE": str(code), "TICKS": str(ticks)}
+           "CODE": str(code), "TICKS": str(ticks), "GO": str(tmp_path / "go"), **extra}
     if restarts is not None:
         env["SLURM_RESTART_COUNT"] = str(restarts)
     if most is not None:
         env["HVDTRAIN_MAX_REQUEUES"] = str(most)
     command = tmp_path / "command.sh"
     command.write_text(COMMAND + "\n")
-    script = f'set -euo pipefail; source "{REQUEUE}"; run_and_requeue USR1 bash "{command}"'
+    script = (f'set -euo pipefail; {EARLY if early else ""}source "{REQUEUE}"; '
+              f'forward_after={forward_after} run_and_requeue USR1 bash "{command}"')
     return subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -48,8 +74,73 @@ def test_a_stop_signal_reaches_the_command_and_a_75_requeues_the_job(tmp_path):
     shell.send_signal(signal.SIGTERM)  # as Slurm's --signal=B:TERM@120 or scancel --batch do
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0, err
-    assert log(tmp_path) == ["started", "got USR1", "scontrol requeue 42"]
+    assert log(tmp_path) == ["started", "got USR1", "stop file: TERM", "scontrol requeue 42"]
     assert "requeued (restart 1 of at most 20)" in err
+
+
+def wait_for_log(tmp_path: Path, line: str, shell: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 10
+    while line not in log(tmp_path):
+        assert time.monotonic() < deadline and shell.poll() is None, (log(tmp_path), shell.poll())
+        time.sleep(0.02)
+
+
+def test_a_repeated_stop_signal_is_absorbed(tmp_path):
+    shell = start(tmp_path, code=0)
+    wait_for_log(tmp_path, "started", shell)
+    shell.send_signal(signal.SIGTERM)  # twice within 100 ms: the helper step's and Slurm's, say
+    shell.send_signal(signal.SIGTERM)
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert log(tmp_path) == ["started", "got USR1", "stop file: TERM", "scontrol requeue 42"]
+    assert err.count("stop signal (SIGTERM) received") == 1, err
+
+
+def test_a_stop_while_the_ranks_start_reaches_them_through_the_stop_file_alone(tmp_path):
+    """srun hands a signal to every rank at once, and one still starting would end on SIGUSR1: in
+    the ranks' first minute (forward_after) the stop file alone tells them."""
+    shell = start(tmp_path, code=0, forward_after=60, READ_STOP_FILE="1")
+    wait_for_log(tmp_path, "started", shell)
+    shell.send_signal(signal.SIGTERM)
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert log(tmp_path) == ["started", "read the stop file", "stop file: TERM", "scontrol requeue 42"]
+    assert "stop signal (SIGTERM) received while the ranks start: they read it from the stop file" in err
+
+
+def test_a_stop_before_the_ranks_start_requeues_with_nothing_started(tmp_path):
+    shell = start(tmp_path, code=0, early=True)
+    wait_for_log(tmp_path, "waiting", shell)
+    shell.send_signal(signal.SIGTERM)
+    shell.send_signal(signal.SIGTERM)
+    (tmp_path / "go").touch()
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert log(tmp_path) == ["waiting", "scontrol requeue 42"]  # the command never started
+    assert "stop signal (SIGTERM) received before the ranks started: nothing to checkpoint, ending with 75" in err
+    assert "requeued (restart 1 of at most 20)" in err
+
+
+def test_requeued_is_said_when_slurm_has_the_job_requeued_and_only_then(tmp_path):
+    # scontrol requeue from outside: Slurm counts the restart at once (the job shows COMPLETING until
+    # this attempt ends, then PENDING), and requeuing it again would fail.
+    shell = start(tmp_path, code=75, ticks=1, STATE="COMPLETING", SHOWN_RESTARTS="1")
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert "requeued already by Slurm (restart 1); it resumes from the checkpoint" in err
+    assert "could not be requeued" not in err and "submit the same command" not in err
+    assert not any(line.startswith("scontrol requeue") for line in log(tmp_path))
+    # And at the cap: Slurm has it anyway.
+    shell = start(tmp_path, code=75, ticks=1, restarts=3, most=3, STATE="COMPLETING", SHOWN_RESTARTS="4")
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0 and "requeued already by Slurm (restart 4)" in err, err
+    (tmp_path / "log").unlink()
+    shell = start(tmp_path, code=75, ticks=1, REQUEUE_FAILS="scontrol: error: Job has already finished",
+                  STATE="CANCELLED")
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 75
+    assert ("could not be requeued (scontrol: error: Job has already finished: a cancelled job, or "
+            "#SBATCH --no-requeue); submit the same command to continue") in err and "requeued already" not in err
 
 
 def test_other_codes_are_not_requeued_and_are_the_jobs_own(tmp_path):
@@ -104,3 +195,4 @@ def test_a_stop_signal_during_start_up_is_kept_for_the_first_step():
     finally:
         stop.release_early()
     assert signal.getsignal(signal.SIGUSR1) is before
+
