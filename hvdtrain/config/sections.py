@@ -250,7 +250,7 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = CUDA when available, pinned by Horovod local rank."""
     threads: int = 0
-    """torch intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
+    """torch intra-op threads per rank; 0 = the job's CPUs per task (SLURM_CPUS_PER_TASK), else the rank's own cores or its affinity mask, else OMP_NUM_THREADS, else the host's cores divided by its ranks (the start-up line says which)."""
     cpu_affinity: Literal["auto", "rank", "none"] = "auto"
     """rank = each rank's threads (and loader workers) bound to its own block of the cores its host's ranks were started on (those no other job's processes are bound to, if enough remain); none = where the launcher put them; auto = rank on CPU where a host runs more than one rank of the job, unless the launcher bound the ranks itself or another job may share the cores (under Slurm, part of a node without binding; elsewhere, too few cores left by other jobs' bound processes: one line says so), none on GPU and in elastic runs."""
     host_malloc: Literal["auto", "tuned", "system"] = "auto"

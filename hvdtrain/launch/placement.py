@@ -22,6 +22,7 @@ without binding it (choose_cores).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..comm import dist, launcher_env as launcher
@@ -152,20 +153,36 @@ def choose_cores(mode: str, started_on: list[int], online: set[int], others: dic
     return free, ""
 
 
+@dataclass
+class Placement:
+    """Where a rank's threads run: ``cores``, its own block (bound here), or None; and whether the
+    launcher gave each rank of the host its own set of cores (srun --cpu-bind, mpirun -bind-to),
+    None where that was not looked at (no binding asked for)."""
+
+    cores: list[int] | None = None
+    launcher_bound: bool | None = None
+
+
 def place_rank(mode: str, device_type: str, elastic: bool) -> list[int] | None:
+    """``place(...).cores``: this rank's own cores, bound, or None."""
+    return place(mode, device_type, elastic).cores
+
+
+def place(mode: str, device_type: str, elastic: bool) -> Placement:
     """Binds this rank's threads to its block of the cores its host's ranks may take (choose_cores)
     and returns it, or None where the threads stay where the launcher put them. Collectives (every
     rank calls them) unless off; rank 0 prints why binding is off where another job may share the
     cores."""
     if mode == "none" or (mode == "auto" and (device_type != "cpu" or elastic)):
-        return None
+        return Placement()
     if not hasattr(os, "sched_setaffinity"):
-        return None
+        return Placement()
     started_on = sorted(os.sched_getaffinity(0))
     host = launcher.host_name()
     everyone = dist.allgather_object((host, os.getpid(), started_on), name="hvdtrain.cpu_affinity")
     here = [(pid, cores) for other, pid, cores in everyone if other == host]
-    if any(cores != started_on for _, cores in here):
+    launcher_bound = any(cores != started_on for _, cores in here)
+    if launcher_bound:
         cores, reason = None, ""  # the launcher bound the ranks already
     else:
         online = online_cpus()
@@ -178,7 +195,7 @@ def place_rank(mode: str, device_type: str, elastic: bool) -> list[int] | None:
     if said is not None:
         dist.log(f"hvdtrain: {said[0]}: {said[1]}")
     if cores is None:
-        return None
+        return Placement(None, launcher_bound)
     mine = sorted(split_cores(topology_order(cores), dist.local_rank(), dist.local_size()))
     bind_threads(mine)
-    return mine
+    return Placement(mine, launcher_bound)

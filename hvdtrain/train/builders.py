@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Mapping
 
 import torch
 
@@ -37,14 +38,50 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def threads_per_rank(cfg: Config, own_cores: list[int] | None = None) -> int:
-    """runtime.threads, else this rank's own cores (runtime.cpu_affinity), else its share of the host's."""
-    if cfg.runtime.threads > 0:
-        return cfg.runtime.threads
+def threads_per_rank(cfg: Config, own_cores: list[int] | None = None, launcher_bound: bool | None = None,
+                     env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The intra-op threads of this rank and where the number came from, for the start-up line:
+    runtime.threads; else the allocation's CPUs per task (SLURM_CPUS_PER_TASK); else this rank's
+    own cores (runtime.cpu_affinity), or the process's affinity mask where the launcher or the
+    scheduler narrowed it; else OMP_NUM_THREADS; else its share of the host's cores."""
+    mask = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return thread_count(cfg.runtime.threads, os.environ if env is None else env, own_cores, len(mask),
+                        os.cpu_count() or 1, dist.local_size(), launcher_bound)
+
+
+def positive(text: str | None) -> int | None:
+    return int(text) if text and text.strip().isdigit() and int(text) > 0 else None
+
+
+def thread_count(configured: int, env: Mapping[str, str], own_cores: list[int] | None, mask_cpus: int,
+                 host_cpus: int, ranks_here: int, launcher_bound: bool | None) -> tuple[int, str]:
+    """``threads_per_rank`` without the process: (threads, where the number came from).
+
+    A scheduler that gives a job part of a node without binding it (Slurm with task/none) leaves
+    the whole host in the affinity mask: the host's cores would then be another job's too, so the
+    allocation's own number comes first. A mask narrower than the host is the job's cores: each
+    rank's own where the launcher bound the ranks (``launcher_bound``, or srun's
+    SLURM_CPU_BIND_TYPE), else shared by the host's ranks."""
+    ranks_here = max(1, ranks_here)
+    if configured > 0:
+        return configured, "runtime.threads"
+    usable = len(own_cores) if own_cores else (mask_cpus or host_cpus)
+    per_task = positive(env.get("SLURM_CPUS_PER_TASK"))
+    if per_task is not None:
+        return min(per_task, usable), f"SLURM_CPUS_PER_TASK={per_task}"
     if own_cores:
-        return len(own_cores)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, dist.local_size()))
+        return len(own_cores), "its own cores"
+    if 0 < mask_cpus < host_cpus:
+        if launcher_bound is None:
+            bind = env.get("SLURM_CPU_BIND_TYPE", "")
+            launcher_bound = bool(bind) and not bind.startswith("none")
+        if launcher_bound or ranks_here == 1:
+            return mask_cpus, f"its affinity mask of {mask_cpus} CPUs"
+        return max(1, mask_cpus // ranks_here), f"the affinity mask's {mask_cpus} CPUs / {ranks_here} ranks here"
+    omp = positive(env.get("OMP_NUM_THREADS"))
+    if omp is not None:
+        return omp, f"OMP_NUM_THREADS={omp}"
+    return max(1, host_cpus // ranks_here), f"the host's {host_cpus} CPUs / {ranks_here} ranks here"
 
 
 def build_peers(elastic: bool) -> tuple[LivenessService, list[Peer]]:

@@ -32,7 +32,7 @@ from ..model.finetune import load_weights
 from ..observe.report import TimelineWindow
 from ..optim.build import LRSchedule
 from ..launch import host_malloc
-from ..launch.placement import place_rank
+from ..launch.placement import place
 from ..observe.rank_logs import WarningTally, host_map
 from .run_folder import prepare_output_dir, sharing_note
 from ..checkpoint.identity import differences, listed, model_fit, refusal
@@ -98,8 +98,9 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False) -> Run:
         tally = WarningTally(speak=dist.is_primary()).install()
         undo.callback(tally.uninstall)
         device = pick_device(cfg)
-        own_cores = place_rank(cfg.runtime.cpu_affinity, device.type, elastic)
-        threads = threads_per_rank(cfg, own_cores)
+        placement = place(cfg.runtime.cpu_affinity, device.type, elastic)
+        own_cores = placement.cores
+        threads, threads_from = threads_per_rank(cfg, own_cores, placement.launcher_bound)
         torch.set_num_threads(threads)
         malloc = host_malloc.apply(cfg.runtime.host_malloc, device.type)
         if device.type == "cuda":
@@ -137,6 +138,7 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False) -> Run:
         controller = f" ({dist.controller()} controller)" if world_size > 1 else ""
         log(f"hvdtrain: {'evaluating on ' if evaluating else ''}{world_size} rank{'s' if world_size > 1 else ''} on "
             f"{dist.cross_size()} host(s){controller}, device {device.type}, {threads} threads/rank"
+            + ("" if threads_from == "its own cores" else f" ({threads_from})")
             + (f" on its own {len(own_cores)} of the host's cores" if own_cores else "")
             + (f", malloc {malloc}" if malloc else "")
             + ("; " + host_map([(p.rank, p.host) for p in peers]) if peers else "")  # every pid: ranks.tsv
