@@ -6,7 +6,13 @@ from .fault import signals
 
 signals.catch()
 
-from .cli import main  # noqa: E402 - after the signals are caught
+try:
+    from .cli import main  # noqa: E402 - after the signals are caught
+except (ImportError, AttributeError) as error:  # the CLI's own imports (PyYAML, numpy) hidden by a user's module?
+    from .environment import report_import_failure
+
+    report_import_failure(error)  # one line and exit 2 where that is the cause, else the traceback
+    raise
 
 if __name__ == "__main__":
     sys.exit(main())

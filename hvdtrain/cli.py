@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .comm import launcher_env as launcher
-from . import outcome
+from . import environment, outcome
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
 from .config import PACKAGED_CONFIGS, dump_yaml, load_config
 from .fault import signals
@@ -38,6 +38,7 @@ def cmd_train(argv: list[str]) -> int:
             print(dump_yaml(cfg), end="")
         return 0
     require_data_choice(args.config, cfg)
+    environment.check_dependencies()  # a yaml.py of the user's hiding PyYAML: one line, not a traceback per rank
     from .api import train  # imports Horovod: keep --print-config fast
 
     code, _, _ = train(cfg)
@@ -207,6 +208,15 @@ def pick_command(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]
     return cmd_train, argv
 
 
+def environment_problem(error: Exception) -> environment.EnvironmentProblem | None:
+    """An exception that is the user's environment's doing (a module of theirs hiding an installed
+    one, a file they may not read), as the one line to report; else None (a crash: its traceback)."""
+    if isinstance(error, PermissionError):
+        return environment.EnvironmentProblem(environment.permission_line(error))
+    line = environment.explain(error)
+    return environment.EnvironmentProblem(line) if line else None
+
+
 # Commands that act on a stop signal caught during start-up (fault/signals.py): train stops at its
 # first step with a checkpoint, launch hands it to the ranks. The others end on it, as they would have.
 KEEP_EARLY_STOPS = ("train", "launch")
@@ -230,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if isinstance(error, outcome.user_errors()):
             code = outcome.report_error(error)
+            return code
+        problem = environment_problem(error)
+        if problem is not None:
+            code = outcome.report_error(problem)
             return code
         outcome.crash_cause(error)
         raise

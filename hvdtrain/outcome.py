@@ -26,6 +26,7 @@ from .arguments import UsageError
 from .config import ConfigError
 from .data import DataError
 from .ownership import UnsafePath
+from .environment import EnvironmentProblem
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 74, 75, 130
 EXIT_DATA_VANISHED = 65
@@ -56,7 +57,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     to name the class would load torch on the way to a one-line usage error.
     """
     checkpoint = sys.modules.get(f"{__package__}.checkpoint.io")
-    return (UsageError, ConfigError, DataError, UnsafePath) + ((checkpoint.CheckpointError,) if checkpoint else ())
+    return ((UsageError, ConfigError, DataError, UnsafePath, EnvironmentProblem)
+            + ((checkpoint.CheckpointError,) if checkpoint else ()))
 
 
 def report_error(error: Exception) -> int:

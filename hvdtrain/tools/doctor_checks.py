@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .. import environment
 from ..ownership import folder_problem
 
 # What a training rank imports besides torch and Horovod (setup.py's install_requires): module,
@@ -36,6 +37,7 @@ REQUIRED_MODULES = (("torchvision", "torchvision"), ("numpy", "numpy"), ("PIL", 
                     ("simplejpeg", "simplejpeg"), ("yaml", "pyyaml"), ("tensorboardX", "tensorboardX"),
                     ("tqdm", "tqdm"), ("psutil", "psutil"))
 MISSING = "missing: "
+SHADOWED = "shadowed: "
 READ_BYTES = 32 * 2**20    # the data folder's read test stops after this many bytes ...
 READ_SECONDS = 5.0         # ... or this many seconds
 READ_FILES_LISTED = 2000   # ... over at most this many files, the first found
@@ -59,9 +61,16 @@ def gpu_driver() -> bool:
 
 
 def package_versions() -> dict[str, str]:
-    """Each package a rank imports -> its version, or ``missing: <why>`` where the import fails."""
+    """Each package a rank imports -> its version, or ``missing: <why>`` where the import fails, or
+    ``shadowed: <line>`` where a module of the user's hides the installed one (training says the
+    same line: environment.py)."""
     found = {}
+    folders = environment.install_folders()
     for module, package in REQUIRED_MODULES:
+        hidden = environment.shadowed(module, folders=folders)
+        if hidden:
+            found[package] = f"{SHADOWED}{hidden}"
+            continue
         try:
             imported = importlib.import_module(module)
         except Exception as error:  # an ImportError, or a broken build's OSError: the host's problem, named
@@ -160,6 +169,10 @@ def probe_facts(data_dir: str | None, output_dir: str | None) -> dict[str, Any]:
         root = Path(data_dir)
         facts["data_dir"] = {"path": str(root.absolute()), "visible": root.is_dir()}
         if root.is_dir():
+            from ..data.files.index import unreadable_problem
+
+            facts["data_dir"]["unreadable"] = unreadable_problem(root, tuple(s for s in ("train", "val")
+                                                                               if (root / s).is_dir()))
             facts["data_dir"]["read"] = read_speed(root)
     if output_dir:
         path = Path(output_dir)
@@ -187,13 +200,16 @@ def package_problems(hosts: Sequence[Any]) -> list[str]:
     reference = reachable[0] if reachable else None
     for host in reachable:
         for package, version in host.facts["packages"].items():
+            if version.startswith(SHADOWED):
+                problems.append(f"{host.name}: {version[len(SHADOWED):]}")
+                continue
             if version.startswith(MISSING):
                 problems.append(f"{host.name}: its Python ({host.facts.get('executable', 'python')}) cannot import "
                                 f"{package} ({version[len(MISSING):]}): install it there (pip install {package}, or "
                                 f"make setup); every host needs the same environment")
                 continue
             theirs = reference.facts["packages"].get(package, "")
-            if host is not reference and not theirs.startswith(MISSING) and version != theirs:
+            if host is not reference and not theirs.startswith((MISSING, SHADOWED)) and version != theirs:
                 problems.append(f"{host.name}: {package} {version} differs from {reference.name}'s {theirs} "
                                 f"(environments must match: install the same version on every host)")
     return problems
@@ -206,6 +222,8 @@ def folder_problems(hosts: Sequence[Any]) -> list[str]:
         if data and not data["visible"]:
             problems.append(f"{host.name}: data.dir '{data['path']}' is not there (not mounted, or another path on "
                             f"this host): mount it on every host at the same path, or copy the data there")
+        elif data and data.get("unreadable"):
+            problems.append(f"{host.name}: {data['unreadable']}")
         output = host.facts.get("output_dir")
         if output and output.get("problem"):
             problems.append(f"{host.name}: output.dir {output['problem']}: set output.dir to a folder you can "

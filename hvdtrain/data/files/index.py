@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ...environment import describe, unreadable_line, user_name
 from ...ownership import UnsafePath, own_folder
 from .file_list import Buffer, IntArray, PathArray, decode_index, encode_index, read_header, share_buffer
 
@@ -114,10 +115,35 @@ def class_folders(split_dir: Path) -> list[str]:
     return sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
 
 
+def unreadable_problem(root: Path, splits: tuple[str, ...] = SPLITS) -> str | None:
+    """The line for the first folder of the data set this user may not list (another user's data, a
+    group not joined): the root, a split, a class folder (a scan would skip it silently); else None.
+    ``hvdtrain doctor`` says the same (tools/doctor_checks.py)."""
+    folders = [root] + [root / split for split in splits]
+    for folder in folders:
+        if folder.is_dir() or folder == root:
+            line = unreadable_line(folder)
+            if line:
+                return line
+    for split in splits:
+        if (root / split).is_dir():
+            for name in class_folders(root / split):
+                line = unreadable_line(root / split / name)
+                if line:
+                    return line
+    return None
+
+
 def check_layout(root: Path, splits: tuple[str, ...] = SPLITS) -> None:
     """One line for each mistake people make, before anything is scanned."""
     if not root.is_dir():
+        if root.parent.is_dir() and not os.access(root.parent, os.X_OK):  # hidden, not missing: say so
+            raise DataError(f"data.dir: this user ({user_name(os.geteuid())}) cannot enter '{root.parent}' "
+                            f"({describe(str(root.parent))}), so '{root}' cannot be read: ask its owner for access")
         raise LayoutError(f"data.dir '{root}' does not exist (set data.dir to a folder with train/ and val/)")
+    problem = unreadable_problem(root, splits)
+    if problem:
+        raise DataError(problem)
     for split in splits:
         if not (root / split).is_dir():
             hint = " or set data.val_fraction=0.1 to validate on a part of train/" if split == "val" else ""
