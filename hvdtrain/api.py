@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 from . import outcome
 from .arguments import require_data_choice
 from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, load_config, to_dict, validate
-from .train.run_folder import resolve_output_dir
+from .config.files import resolve_config_path
+from .config.load import resolve_output
 
 if TYPE_CHECKING:  # torch and the tasks load only when a run starts
     import torch
@@ -56,10 +57,12 @@ def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), tas
     """Defaults < ``config`` (a YAML path or shipped config name, a nested or dotted dict, a list of
     ``key=value``, or a Config) < ``overrides`` < ``task``; validated."""
     # Validated once, at the end: the task's section is known only once ``task`` has had its say.
+    config_name, from_file = None, None
     if isinstance(config, Config):
         cfg = from_dict(to_dict(config), check=False)
     elif isinstance(config, (str, Path)):
         cfg = load_config(str(config), check=False)
+        config_name, from_file = resolve_config_path(str(config)).stem, cfg.output.dir
     elif isinstance(config, Mapping):
         cfg = Config()
         apply_mapping(cfg, dict(config), source="fit(config=...)")
@@ -70,11 +73,13 @@ def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), tas
         overrides = [*config, *overrides]
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key=value strings, got the string '{overrides}'")
+    overrides = list(overrides)
     for override in overrides:
         apply_override(cfg, override)
     if task is not None:
         cfg.task = task if isinstance(task, str) else provide_task(task)
-    cfg.output.dir = resolve_output_dir(cfg.output.dir)
+    named_here = any(str(text).split("=", 1)[0].strip() == "output.dir" for text in overrides)
+    resolve_output(cfg, config_name, from_file=from_file is not None and cfg.output.dir == from_file and not named_here)
     validate(cfg)
     return cfg
 

@@ -52,15 +52,26 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
     """Defaults, then the YAML file, then the overrides; the task's section mounted; validated.
     ``check=False`` leaves the last two to the caller, who may name the task yet (api.build_config)."""
     cfg = Config()
+    config_name = None
     if config_file:
         path = resolve_config_path(config_file)
+        config_name = path.stem
         apply_mapping(cfg, read_config_file(path), source=str(path))
+    from_file = cfg.output.dir
     for override in overrides:
         apply_override(cfg, override)
     if check:
-        cfg.output.dir = resolve_output_dir(cfg.output.dir)
+        resolve_output(cfg, config_name, from_file=config_file is not None and cfg.output.dir == from_file
+                       and not any(text.split("=", 1)[0].strip() == "output.dir" for text in overrides))
         validate(cfg)
     return cfg
+
+
+def resolve_output(cfg: Config, config_name: str | None, from_file: bool) -> None:
+    """``output.dir`` for this job (train/run_folder.py): the default folder for ``auto``, and a
+    folder of the job's own inside one a config file names, under a scheduler."""
+    cfg.output.dir = resolve_output_dir(cfg.output.dir, config_name=config_name,
+                                        from_file=from_file and cfg.output.dir != "auto")
 
 
 def validate(cfg: Config) -> None:

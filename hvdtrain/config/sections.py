@@ -284,7 +284,7 @@ class RuntimeConfig:
 @dataclass
 class OutputConfig:
     dir: str = "auto"
-    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under Slurm (a requeued job keeps its id, and so its folder), runs/hvdtrain elsewhere (train/run_folder.py)."""
+    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under a scheduler (Slurm, PBS, LSF, SGE, Flux: a requeued job keeps its id, and so its folder), runs/<config name> elsewhere; under a scheduler a folder a config file names gets one folder per job inside it; a folder another job's run holds or uses stops the job in one line (train/run_folder.py)."""
     progress: bool = True
     """Progress per epoch on rank 0: a bar on a terminal, a line when output is piped (every 10% of the epoch, at most every 10 s, or as output.progress_every_steps says), with the epoch's running training loss and metric on rank 0's samples."""
     progress_every_steps: int = 0

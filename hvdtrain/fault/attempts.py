@@ -13,14 +13,13 @@ and at the end, with the exit code the job leaves with and its one-line reason:
      "reason": "stopped by SIGTERM in epoch 2/90 at step 417/5004 ...", "epoch": 2, "step": 5838}
 
 ``job`` and ``restart`` come from Slurm (SLURM_JOB_ID, SLURM_RESTART_COUNT: the times the job was
-requeued), else from the other schedulers' job id variables, else null. A write that fails (a full
-disk) costs the line, with a warning, never the run.
+requeued), else from the other schedulers' job id variables (launch/job.py), else null. A write
+that fails (a full disk) costs the line, with a warning, never the run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from datetime import datetime, timezone
@@ -29,17 +28,16 @@ from typing import Any
 
 from ..comm import dist
 from .. import outcome
+from ..launch.job import current as current_job
 from ..ownership import PRIVATE, open_append
 
 FILE = "attempts.jsonl"
-JOB_ID_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
 
 
 def job_identity() -> dict[str, Any]:
     """The scheduler's job id and how many times it was requeued (null outside a scheduler)."""
-    job = next((os.environ[name] for name in JOB_ID_VARIABLES if os.environ.get(name)), None)
-    restart = os.environ.get("SLURM_RESTART_COUNT")
-    return {"job": job, "restart": int(restart) if restart and restart.isdigit() else (0 if job else None)}
+    job = current_job()
+    return {"job": job.id, "restart": job.restart}
 
 
 def exit_of(error: BaseException | None) -> tuple[int, str]:

@@ -1,15 +1,18 @@
-"""Where a run writes (``output.dir``), when the user does not say.
+"""Where a run writes (``output.dir``), and which job it belongs to.
 
-Every job started from one folder used to share ``runs/hvdtrain``, and automatic resume continued
-whatever another job had left there. ``output.dir=auto`` (the default) names the job instead:
+One job, one run folder. Under a scheduler (Slurm, and the other batch systems' job ids:
+launch/job.py) every job gets a folder of its own unless the user names one:
 
-- under Slurm, ``runs/<job name>-<job id>`` below the folder the job runs in. Slurm keeps the job
-  id when it requeues a job (``scontrol requeue``, ``--requeue`` after a node failure), so the
-  requeued job finds its own checkpoints and resumes; another job gets another folder.
-- elsewhere, ``runs/hvdtrain``: outside a scheduler nothing names a job and stays the same when
-  it is run again, and running the same command again is how a stopped run resumes (75). A
-  different run there stops with one line naming what differs (checkpoint/identity.py); give each its
-  own ``output.dir``.
+- ``output.dir=auto`` (the default, and what every shipped config leaves it at) is
+  ``runs/<job name>-<job id>`` below the folder the job runs in. A scheduler keeps the job id
+  when it requeues a job, so the requeued job finds its own checkpoints and resumes; another
+  job gets another folder.
+- a folder a config *file* names is every job's that uses the file: under a scheduler the job's
+  folder goes inside it (``<output.dir>/<job name>-<job id>``). A folder named on the command line
+  (``output.dir=...``) or by a script (``hvdtrain.fit(config={...})``) is used as it is.
+- outside a scheduler nothing names a job and stays the same when it is run again, and running
+  the same command again is how a stopped run resumes (75): ``runs/<config name>``
+  (``runs/hvdtrain`` without ``--config``).
 
 The folder itself, and what may be written in it, follow hvdtrain/ownership.py: the user's own
 folder (made 0700 here, 0750 with ``output.share=group``) that nobody else can write or swap.
@@ -21,30 +24,35 @@ from __future__ import annotations
 
 import grp
 import os
-import re
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..launch.job import current
 from ..ownership import GROUP, PRIVATE, UnsafePath, own_folder
 
 AUTO = "auto"
-OUTSIDE_SLURM = "runs/hvdtrain"
+OUTSIDE_SCHEDULER = "runs/hvdtrain"
 
 
-def default_output_dir(env: Mapping[str, str] | None = None) -> str:
-    """``runs/<job name>-<job id>`` under Slurm, ``runs/hvdtrain`` elsewhere (see the module docstring)."""
-    env = os.environ if env is None else env
-    job_id = env.get("SLURM_JOB_ID", "").strip()
-    if not job_id:
-        return OUTSIDE_SLURM
-    # A job name is the user's free text (a script name, "my run/2"): one folder name of it.
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", env.get("SLURM_JOB_NAME", "").strip()).strip("._") or "job"
-    return f"runs/{name}-{re.sub(r'[^0-9_]+', '', job_id) or job_id}"
+def default_output_dir(env: Mapping[str, str] | None = None, config_name: str | None = None) -> str:
+    """``runs/<job name>-<job id>`` under a scheduler, ``runs/<config name>`` (or ``runs/hvdtrain``)
+    elsewhere (see the module docstring)."""
+    job = current(env)
+    if job.id:
+        return f"runs/{job.folder_name()}"
+    return f"runs/{config_name}" if config_name else OUTSIDE_SCHEDULER
 
 
-def resolve_output_dir(output_dir: str, env: Mapping[str, str] | None = None) -> str:
-    """``output_dir`` itself, or the default folder for ``auto``."""
-    return default_output_dir(env) if output_dir == AUTO else output_dir
+def resolve_output_dir(output_dir: str, env: Mapping[str, str] | None = None, config_name: str | None = None,
+                       from_file: bool = False) -> str:
+    """The folder this job writes to: ``output_dir`` as the user named it, the default for ``auto``,
+    or, under a scheduler, the job's own folder inside a folder a config file names (``from_file``)."""
+    if output_dir == AUTO:
+        return default_output_dir(env, config_name)
+    job = current(env)
+    if from_file and job.id:
+        return f"{output_dir.rstrip('/') or '/'}/{job.folder_name()}"
+    return output_dir
 
 
 # Fix for every output folder that cannot be used.
