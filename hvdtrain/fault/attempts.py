@@ -13,8 +13,9 @@ and at the end, with the exit code the job leaves with and its one-line reason:
      "reason": "stopped by SIGTERM in epoch 2/90 at step 417/5004 ...", "epoch": 2, "step": 5838}
 
 ``job`` and ``restart`` come from Slurm (SLURM_JOB_ID, SLURM_RESTART_COUNT: the times the job was
-requeued), else from the other schedulers' job id variables (launch/job.py), else null. A write
-that fails (a full disk) costs the line, with a warning, never the run.
+requeued), else from the other schedulers' job id variables (launch/job.py), else null; ``attempt``
+counts the attempts on this run folder (0 for the first), as every metrics.jsonl record of the
+attempt says too. A write that fails (a full disk) costs the line, with a warning, never the run.
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def record_start(run_dir: Path, hosts: list[str], ranks: int, epoch: int, step: int, share: str = PRIVATE) -> None:
+def record_start(run_dir: Path, hosts: list[str], ranks: int, epoch: int, step: int, share: str = PRIVATE,
+                 attempt: int | None = None) -> None:
     """Rank 0: the line of this attempt's start (other ranks: nothing)."""
     if dist.is_primary():
         append(run_dir, {"event": "start", "time": now(), **job_identity(),
+                         **({"attempt": attempt} if attempt is not None else {}),
                          "hosts": sorted(set(hosts)) or [socket.gethostname()], "ranks": ranks,
                          "epoch": epoch, "step": step}, share)
 

@@ -129,8 +129,10 @@ class MetricsWriter:
     checkpoint, which this leg trains again, are hidden (tensorboardX's ``purge_step``); those up to
     the checkpoint stay."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, share: str = PRIVATE, start_step: int = 0):
+    def __init__(self, run_dir: Path, tensorboard: bool, share: str = PRIVATE, start_step: int = 0,
+                 stamp: dict[str, Any] | None = None):
         self.path = run_dir / "metrics.jsonl"
+        self.stamp = dict(stamp or {})  # what every record carries: the job and attempt that wrote it
         self.ranks_path = run_dir / RANKS_FILE
         self.share = share
         self.tb = None
@@ -148,7 +150,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; a write that fails (a full disk, a quota, a vanished mount) costs the
         record, not the run: one warning per output, and the count at the end."""
-        small, detail = split_record(record)
+        small, detail = split_record({**record, **self.stamp})
         for path, value in ((self.path, small), (self.ranks_path, detail)):
             if value is None:
                 continue
@@ -161,7 +163,7 @@ class MetricsWriter:
             try:
                 split, step = record["split"], record["step"]
                 for key, value in record.items():
-                    if key not in ("split", "epoch", "step") and isinstance(value, (int, float)) \
+                    if key not in ("split", "epoch", "step", *self.stamp) and isinstance(value, (int, float)) \
                             and not isinstance(value, bool):
                         self.tb.add_scalar(f"{split}/{key}", value, global_step=step)
                 if split == "train":  # which epoch ended at this step (1-based, as the epoch line says)

@@ -69,7 +69,7 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
     """Run the benchmark on this rank; every rank returns the same summary."""
     from ..train.run import release, resume, setup
 
-    run = setup(cfg)
+    run = setup(cfg, claim_folder=False)
     try:
         resume(run)  # checkpoint.resume=never: every rank starts from rank 0's weights
         return timed_run(run, cfg, warmup_steps, steps, repeats)

@@ -44,7 +44,8 @@ class Outputs:
             if run.peers:
                 write_host_map(run.run_dir, [(p.rank, p.host, p.pid) for p in run.peers], share)
             self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard, share=share,
-                                        start_step=run.state.position.step)
+                                        start_step=run.state.position.step,
+                                        stamp=run.claim.stamp() if run.claim is not None else None)
             if run.cfg.output.tensorboard:
                 self.curves = StepCurves(run.cfg.tracking.every_steps, self.writer)
             if run.resume_changes:  # what changed at this resume (checkpoint.resume=force, or allowed keys)

@@ -34,7 +34,7 @@ from ..optim.build import LRSchedule
 from ..launch import host_malloc
 from ..launch.placement import place
 from ..observe.rank_logs import WarningTally, host_map
-from .run_folder import prepare_output_dir, sharing_note
+from .run_folder import Claim, prepare_output_dir, sharing_note
 from ..checkpoint.identity import differences, listed, model_fit, refusal
 from .state import RunState
 from ..observe.sysstats import StatsSampler
@@ -69,14 +69,16 @@ class Run:
     train_sums_so_far: Callable[[], torch.Tensor] | None = None
     resumed_train_sums: torch.Tensor | None = None
     evaluating: bool = False  # built to evaluate a checkpoint (hvdtrain evaluate): its lines say so
+    claim: Claim | None = None  # rank 0's hold on run_dir (run_folder.py): the owner job, the lock, the attempt
 
 
-def setup(cfg: Config, writes: bool = True, evaluating: bool = False) -> Run:
+def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_folder: bool = True) -> Run:
     """Everything before the first step, identical on every rank (no checkpoint loaded yet).
     ``writes=False`` (evaluation): the output folder is neither made nor checked, since nothing is
     written there (a checkpoint's recorded ``output.dir`` may name any folder). ``evaluating``: for
     ``evaluate_checkpoint``, whose lines speak of the evaluation, not of a training (no batch, rate
-    or recipe line)."""
+    or recipe line). ``claim_folder``: a training run takes its folder for its job
+    (run_folder.claim_folder); the benchmark writes beside nothing of a run's, and takes nothing."""
     elastic = cfg.elastic.enabled
     tracking.require_packages(cfg)
     dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
@@ -86,14 +88,22 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False) -> Run:
     with contextlib.ExitStack() as undo:
         liveness, peers = build_peers(elastic)
         undo.callback(liveness.close)
+        claim = None
         if writes:
-            problem = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
-                                         lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"),
-                                         share=cfg.output.share)
+            problem, claim = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
+                                                lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"),
+                                                share=cfg.output.share, resume=cfg.checkpoint.resume,
+                                                claim=claim_folder)
             if problem:
                 raise ConfigError(problem)
+            if claim is not None:
+                undo.callback(claim.abandon)  # nothing of the run written yet: the folder as it was
             log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}"
-                + sharing_note(Path(cfg.output.dir), cfg.output.share))
+                + sharing_note(Path(cfg.output.dir), cfg.output.share)
+                + (f" ({claim.job.label()}, attempt {claim.attempt + 1} on this folder)"
+                   if claim is not None and claim.job.id else ""))
+            for note in claim.notes if claim is not None else ():
+                log(note)
         # Other ranks print no warning; each is counted and rank 0 says it once with its count.
         tally = WarningTally(speak=dist.is_primary()).install()
         undo.callback(tally.uninstall)
@@ -131,7 +141,8 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False) -> Run:
                   timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
                   if cfg.runtime.timeline else None,
                   stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
-                  if cfg.runtime.stats_interval > 0 else None, warnings=tally, evaluating=evaluating)
+                  if cfg.runtime.stats_interval > 0 else None, warnings=tally, evaluating=evaluating,
+                  claim=claim)
 
         world_size, passes = dist.size(), cfg.train.backward_passes_per_step
         # Horovod's controller matters to a job of several ranks (Gloo or MPI); one process has none to speak of.
@@ -390,6 +401,8 @@ def release(run: Run) -> None:
     run.watchdog.stop()
     if run.liveness is not None:
         run.liveness.close()
+    if run.claim is not None:
+        run.claim.release()  # the run folder's lock
 
 
 def where(run: Run) -> str:

@@ -167,6 +167,8 @@ class Trainer:
             try:
                 membership.start(run)
             except BaseException:
+                if run.claim is not None:
+                    run.claim.abandon()  # nothing of the run written (a checkpoint refused): the folder as it was
                 release(run)
                 raise
         except BaseException:
@@ -189,7 +191,7 @@ class Trainer:
         position = run.state.position  # attempts.jsonl: this job's start and end on the run folder
         share = cfg.output.share
         attempts.record_start(run.run_dir, [peer.host for peer in run.peers], dist.size(), position.epoch, position.step,
-                              share)
+                              share, run.claim.attempt if run.claim is not None else None)
         try:
             with self.stop.installed():
                 membership.run(run, self.train_epochs)
