@@ -22,7 +22,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from typing import Any, Mapping
+
+# About when this process started (python -m hvdtrain imports this module first): the start-up a
+# time limit must leave room for is measured from here (fault/attempts.py).
+STARTED = time.time()
 
 # Ctrl-C too: a stop like the others (fault/preemption.py); a second one interrupts at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

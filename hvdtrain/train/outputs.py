@@ -26,7 +26,9 @@ from ..tasks import metric_direction
 from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
 from .run_folder import FIX
 from .save import DiskFull, audit_ranks, save_checkpoint
-from .stops import Preempted
+from .stops import NoProgress, Preempted
+from ..fault import attempts, signals
+from ..launch.job import current as current_job
 
 
 class Outputs:
@@ -211,6 +213,15 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
             f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
             f"Resume with the same command (checkpoint.resume=auto).")
     log(line)
+    idle = None
+    if dist.is_primary() and position.step == run.started_step:  # not a step trained in this attempt
+        idle = attempts.no_progress_line(attempts.read(run.run_dir), position.step,
+                                         run.loop_started - signals.STARTED,
+                                         attempts.slurm_time_limit(current_job().id))
+    idle = dist.broadcast_object(idle, name="hvdtrain.no_progress")
+    if idle:
+        log(f"hvdtrain: {idle}")
+        raise NoProgress(idle)
     raise Preempted(line.removeprefix("hvdtrain: "))  # the loop's ``finally`` calls finish(): outputs closed, then every rank leaves together
 
 

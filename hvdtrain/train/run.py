@@ -64,6 +64,8 @@ class Run:
     clock: "TrainClock | None" = None
     resume_changes: dict[str, Any] | None = None  # settings changed since the checkpoint resumed from
     warnings: WarningTally | None = None  # this rank's warnings, said once across ranks (rank_logs)
+    started_step: int = 0  # the global step this attempt started training from
+    loop_started: float = 0.0  # time.time() when the training loop started (after setup and resume)
     # The training sums of the epoch in progress, all ranks together, so far (a collective; set by the loop),
     # and those a mid-epoch checkpoint carried: a resumed epoch's record then covers the whole epoch.
     train_sums_so_far: Callable[[], torch.Tensor] | None = None

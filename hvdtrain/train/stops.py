@@ -19,6 +19,13 @@ class Preempted(Exception):
     exit_code = outcome.EXIT_PREEMPTED  # EX_TEMPFAIL: not finished, try again
 
 
+class NoProgress(Preempted):
+    """A checkpointed stop after which a requeue would make no progress either (a time limit too
+    short for start-up and a step: fault/attempts.no_progress_line): exit 2, not requeued."""
+
+    exit_code = outcome.EXIT_BAD_INPUT
+
+
 class LostRank(JobStopped):
     """The job cannot go on because of the other ranks: a collective failed because a peer died or
     hangs, or the ranks' states diverged (the audit). ``speak`` is set on the rank that reports it."""

@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..fault import attempts
+from ..fault import attempts, signals
 from ..comm import dist
 from ..fault.bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from ..config import Config
@@ -190,13 +190,15 @@ class Trainer:
             run.clock.start()
         position = run.state.position  # attempts.jsonl: this job's start and end on the run folder
         share = cfg.output.share
+        run.started_step, run.loop_started = position.step, time.time()
         attempts.record_start(run.run_dir, [peer.host for peer in run.peers], dist.size(), position.epoch, position.step,
                               share, run.claim.attempt if run.claim is not None else None)
         try:
             with self.stop.installed():
                 membership.run(run, self.train_epochs)
         finally:
-            attempts.record_end(run.run_dir, sys.exc_info()[1], position.epoch, position.step, share)
+            attempts.record_end(run.run_dir, sys.exc_info()[1], position.epoch, position.step, share,
+                                attempt_timing(run))
             try:
                 finish(run, membership.outputs)
             finally:
@@ -285,6 +287,16 @@ class Trainer:
         run.watchdog.beat()  # arms the watchdog from the first completed step of the epoch on
         if run.timeline is not None:
             run.timeline.at_step(position.step)
+
+
+def attempt_timing(run: Run) -> dict[str, float]:
+    """This attempt's start-up (from the process's start to the first step) and mean seconds per
+    step trained (validation and checkpoints included), for attempts.jsonl."""
+    timing = {"startup_seconds": round(run.loop_started - signals.STARTED, 1)}
+    steps = run.state.position.step - run.started_step
+    if steps > 0:
+        timing["step_seconds"] = round((time.time() - run.loop_started) / steps, 4)
+    return timing
 
 
 def finished_metrics(run: Run, broadcast: bool) -> dict[str, Any]:

@@ -196,3 +196,38 @@ def test_a_stop_signal_during_start_up_is_kept_for_the_first_step():
         stop.release_early()
     assert signal.getsignal(signal.SIGUSR1) is before
 
+
+def attempt_records(*ends: tuple[int, int]) -> list[dict]:
+    """attempts.jsonl of attempts that each started and ended at the given global steps (exit 75),
+    then the start of the attempt in progress at the last end's step."""
+    records = []
+    for start_step, end_step in ends:
+        records.append({"event": "start", "step": start_step})
+        records.append({"event": "end", "step": end_step, "exit": 75, "startup_seconds": 40.0,
+                        **({"step_seconds": 0.5} if end_step > start_step else {})})
+    records.append({"event": "start", "step": ends[-1][1]})
+    return records
+
+
+def test_a_time_limit_too_short_for_a_step_stops_the_requeues_in_one_line():
+    from hvdtrain.fault.attempts import no_progress_line, slurm_seconds
+
+    # The first attempt trained to step 11; the next trained nothing: that alone may be a preemption
+    # in its start-up, unless the stop came at the time limit.
+    assert no_progress_line(attempt_records((0, 11)), 11, 47.0, None) is None
+    assert no_progress_line(attempt_records((0, 11)), 11, 47.0, (24 * 3600.0, 3600.0)) is None
+    line = no_progress_line(attempt_records((0, 11)), 11, 47.0, (180.0, 60.0))
+    assert line == ("attempts stopped twice at global step 11 without training a step: start-up takes about 47 s "
+                    "and a step 0.5 s, so a requeue would do the same again; not requeued (exit 2): the stop "
+                    "signal came 60 s into a time limit of 3 min; submit it again with --time=13 or more "
+                    "(start-up, the signal's lead of about 120 s and 10 min of steps)")
+    # Two attempts in a row without a step: whatever sent the signal.
+    line = no_progress_line(attempt_records((0, 11), (11, 11)), 11, 45.0, None)
+    assert line.startswith("attempts stopped twice at global step 11 without training a step: start-up takes "
+                           "about 45 s and a step 0.5 s")
+    assert line.endswith("give each attempt at least 11 min before its stop signal (start-up and 10 min of steps), "
+                         "or find what stops it this early")
+    assert no_progress_line(attempt_records((0, 11), (11, 11)), 11, 45.0, (900.0, 40.0)) == line  # not the limit's
+    assert no_progress_line(attempt_records((0, 11), (11, 12)), 12, 45.0, None) is None  # it made progress
+    assert [slurm_seconds(t) for t in ("00:03:00", "1-00:00:10", "05:00", "UNLIMITED")] == [180.0, 86410.0, 300.0,
+                                                                                              None]
