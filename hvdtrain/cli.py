@@ -104,6 +104,12 @@ def cmd_launch(argv: list[str]) -> int:
     return launch_main(argv)
 
 
+def cmd_slurm_script(argv: list[str]) -> int:
+    from .launch.slurm_script import main as slurm_script_main
+
+    return slurm_script_main(argv)
+
+
 def cmd_report(argv: list[str]) -> int:
     from .tools.report import cmd_report as run
 
@@ -113,6 +119,7 @@ def cmd_report(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train, "evaluate": cmd_evaluate, "bench": cmd_bench, "bench-data": cmd_bench_data,
     "report": cmd_report, "doctor": cmd_doctor, "prepare": cmd_prepare, "ray": cmd_ray, "launch": cmd_launch,
+    "slurm-script": cmd_slurm_script,
 }
 
 
@@ -126,6 +133,7 @@ SUMMARIES: dict[str, str] = {
     "prepare": "convert an ImageFolder into tar shards (WebDataset format) for training from shards or S3",
     "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
     "launch": "horovodrun with the ranks' exit code (75, 2, 1) and the cause as its last line",
+    "slurm-script": "print a Slurm batch script of your own for this install (> my.sbatch)",
 }
 HELP_WORDS = ("-h", "--help", "help")
 

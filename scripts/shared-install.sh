@@ -69,9 +69,20 @@ install_hvdtrain() {
     find "$src" -name __pycache__ -prune -exec rm -rf {} +
     "$vpy" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$src"
     [[ -z $extras ]] || "$vpy" -m pip install -q --no-build-isolation "$src[$extras]"
-    mkdir -p "$venv/share/hvdtrain/slurm"
-    cp "$repo"/hostfiles/slurm/*.sbatch "$repo"/hostfiles/slurm/*.sh "$venv/share/hvdtrain/slurm/"
+    install_slurm_scripts "$repo" "$venv"
     chmod -R a+rX "$venv"
+}
+
+# The Slurm batch scripts into VENV/share/hvdtrain/slurm, with the install's path recorded in them
+# (installed_python=, installed_scripts=): a user's copy of one finds the install from anywhere.
+install_slurm_scripts() {
+    local repo=$1 venv=$2 folder=$2/share/hvdtrain/slurm
+    mkdir -p "$folder"
+    cp "$repo"/hostfiles/slurm/*.sbatch "$repo"/hostfiles/slurm/*.sh "$folder/"
+    if [[ $venv =~ ^[A-Za-z0-9_./+-]+$ ]]; then  # a path sed and the shell take as it is
+        sed -i -e "s|^installed_python=\"\"\$|installed_python=$venv/bin/python|" \
+            -e "s|^installed_scripts=\"\"\$|installed_scripts=$folder|" "$folder"/*.sbatch
+    fi
 }
 
 # What a copy install must compare to notice a changed checkout (setup's stamp).
@@ -89,6 +100,8 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
             problem=$(python_problem "$2")
             [[ -z $problem ]] || { echo "$problem" >&2; exit 1; } ;;
         install) install_hvdtrain "$2" "$3" "${4:-}" ;;
-        *) echo "usage: $0 python-check PYTHON | install VENV_PYTHON editable|copy [EXTRAS]" >&2; exit 2 ;;
+        slurm-scripts) install_slurm_scripts "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$2" ;;
+        *) echo "usage: $0 python-check PYTHON | install VENV_PYTHON editable|copy [EXTRAS] | slurm-scripts VENV" >&2
+           exit 2 ;;
     esac
 fi

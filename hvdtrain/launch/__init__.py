@@ -1,3 +1,3 @@
 """Starting jobs: ``hvdtrain launch`` over horovodrun (horovodrun.py), Ray (ray.py, ray_plan.py,
-ray_rendezvous.py), the scheduler's job a process runs in (job.py), and where a rank's threads run
-(placement.py)."""
+ray_rendezvous.py), a Slurm batch script of one's own (slurm_script.py), the scheduler's job a
+process runs in (job.py), and where a rank's threads run (placement.py)."""

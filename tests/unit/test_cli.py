@@ -13,7 +13,7 @@ import yaml
 from hvdtrain import cli
 from hvdtrain.config import load_config
 
-COMMANDS = ["train", "evaluate", "bench", "bench-data", "report", "doctor", "prepare", "ray", "launch"]
+COMMANDS = ["train", "evaluate", "bench", "bench-data", "report", "doctor", "prepare", "ray", "launch", "slurm-script"]
 
 
 @pytest.fixture(autouse=True)

@@ -179,3 +179,64 @@ def test_make_setup_passes_the_prefix_and_the_python():
                              env={k: v for k, v in os.environ.items() if k not in ("HVDTRAIN_VENV", "PYTHON", "VENV")})
     assert f'HVDTRAIN_VENV="{REPO / ".venv"}"' in default.stdout
 
+
+
+def run_copy(script: Path, tmp_path: Path, home: Path, **extra: str) -> subprocess.CompletedProcess:
+    """``script``, as Slurm runs a user's copy (spool copy, submitted from ``home``), with stand-ins
+    for scontrol and srun and no PYTHON or HVDTRAIN_DIR."""
+    spool = tmp_path / "spool"
+    spool.mkdir(exist_ok=True)
+    shutil.copy(script, spool / "slurm_script")
+    shutil.rmtree(tmp_path / "bin", ignore_errors=True)
+    fake_slurm_tools(tmp_path / "bin", script)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHON", "HVDTRAIN_DIR")}
+    env.update({"PATH": f"{tmp_path / 'bin'}:{env['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1",
+                "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n0", "SLURM_SUBMIT_DIR": str(home), **extra})
+    return subprocess.run(["bash", str(spool / "slurm_script"), "--config", "debug"], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_users_own_copy_of_the_batch_script_finds_the_install(tmp_path):
+    """`hvdtrain slurm-script > my.sbatch`: a copy kept anywhere finds the install's Python and its
+    helper scripts; a plain copy of the shipped script says in one line how to get one that does."""
+    from hvdtrain.launch import slurm_script
+
+    printed = subprocess.run([sys.executable, "-m", "hvdtrain", "slurm-script"], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert f"installed_python={sys.executable}\n" in printed.stdout
+    assert f"installed_scripts={SLURM}\n" in printed.stdout and "srun --mpi=" in printed.stdout
+    assert "edit its #SBATCH lines" in printed.stderr
+    # The same, for an install whose Python is a stand-in (the real one would train).
+    python = tmp_path / "opt" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "python $0 in $PWD: $*"\n')
+    python.chmod(0o755)
+    home = tmp_path / "alice"
+    (home / "scripts").mkdir(parents=True)
+    mine = home / "scripts" / "my.sbatch"
+    mine.write_text(slurm_script.fill((SLURM / "train.sbatch").read_text(), str(python), SLURM))
+    result = run_copy(mine, tmp_path, home)
+    assert result.returncode == 0, result.stderr
+    assert f"python {python} in {home}: -m hvdtrain --config debug" in result.stdout
+    # A plain copy: no install beside it, none recorded.
+    plain = home / "scripts" / "copy.sbatch"
+    shutil.copy(SLURM / "train.sbatch", plain)
+    result = run_copy(plain, tmp_path, home)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "hvdtrain slurm-script > my.sbatch" in result.stderr
+    # ... unless PYTHON names a shared install, whose share/ folder has the helpers.
+    shutil.copytree(SLURM, tmp_path / "opt" / "share" / "hvdtrain" / "slurm")
+    result = run_copy(plain, tmp_path, home, PYTHON=str(python))
+    assert result.returncode == 0, result.stderr
+    assert f"python {python} in {home}: -m hvdtrain --config debug" in result.stdout
+
+
+def test_a_shared_install_records_its_path_in_its_batch_scripts(tmp_path):
+    venv = tmp_path / "opt" / "hvdtrain"
+    result = subprocess.run(["bash", str(SHARED_INSTALL), "slurm-scripts", str(venv)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for name in ("train.sbatch", "train-horovodrun.sbatch"):
+        text = (venv / "share" / "hvdtrain" / "slurm" / name).read_text()
+        assert f"\ninstalled_python={venv}/bin/python\n" in text
+        assert f"\ninstalled_scripts={venv}/share/hvdtrain/slurm\n" in text
