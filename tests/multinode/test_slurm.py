@@ -45,9 +45,19 @@ def load_ranks(tmp_path: Path) -> list[dict]:
 
 
 def test_sbatch_srun_pmix_gives_each_rank_its_rank_size_and_local_rank(slurm_cluster, tiny_data, tmp_path):
-    job, state, output = slurm_cluster.sbatch(SLURM / "train.sbatch", train_args(tiny_data, tmp_path), tmp_path,
-                                              job_env(tmp_path), ONE_NODE)
+    """The user's own copy of the script (``hvdtrain slurm-script > my.sbatch``, kept in their folder,
+    no PYTHON or HVDTRAIN_DIR set) finds the install; the ranks take their threads from
+    --cpus-per-task."""
+    written = subprocess.run([str(BIN / "python"), "-m", "hvdtrain", "slurm-script"], capture_output=True, text=True,
+                             env=job_env(tmp_path), timeout=120)
+    assert written.returncode == 0, written.stderr
+    mine = tmp_path / "my.sbatch"
+    mine.write_text(written.stdout)
+    env = {key: value for key, value in job_env(tmp_path).items() if key not in ("PYTHON", "HVDTRAIN_DIR")}
+    job, state, output = slurm_cluster.sbatch(mine, train_args(tiny_data, tmp_path) + ["runtime.threads=0"], tmp_path,
+                                              env, ONE_NODE)
     assert state == "COMPLETED", f"job {job} {state}\n{output}\n{slurm_cluster.logs()}"
+    assert "1 threads/rank (SLURM_CPUS_PER_TASK=1)" in output, output
     ranks = load_ranks(tmp_path)
     assert [(r["rank"], r["size"], r["local_rank"], r["controller"]) for r in ranks] == [
         (0, 2, 0, "mpi"), (1, 2, 1, "mpi")]
@@ -64,6 +74,8 @@ def test_sbatch_horovodrun_builds_its_host_list_from_the_allocation(slurm_cluste
                                               tmp_path, job_env(tmp_path), ONE_NODE)
     assert state == "COMPLETED", f"job {job} {state}\n{output}\n{slurm_cluster.logs()}"
     assert f"horovodrun -np 2 -H {slurm_cluster.node}:2" in output
+    # The waiting step ends by itself: no "slurmstepd: error: *** STEP ... CANCELLED ***", no kill errors.
+    assert "slurmstepd" not in output and "No such process" not in output, output
     ranks = load_ranks(tmp_path)
     assert [(r["rank"], r["size"], r["local_rank"], r["controller"]) for r in ranks] == [
         (0, 2, 0, "mpi"), (1, 2, 1, "mpi")]  # horovodrun prefers mpirun when Open MPI is there
