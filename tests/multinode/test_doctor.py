@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from .nodes import BIN, TwoNodes
 
 
@@ -65,6 +67,7 @@ def bench_processes(cwd: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_doctor_ends_a_launch_at_its_deadline_and_says_how_far_it_got(two_nodes, tmp_path):
     # 100000 allreduces per size cannot finish in 20 s: both jobs are ended at their deadline (20 s
     # leaves the ranks time to start on both hosts, which the message says).

@@ -51,6 +51,7 @@ def worker_pids(host: str, marker: str) -> list[int]:
     return [pid for pid, environ in training_processes(marker).items() if environ.get("HOROVOD_HOSTNAME") == host]
 
 
+@pytest.mark.slow
 def test_elastic_run_survives_a_lost_host_and_takes_it_back(two_nodes, tiny_data, tmp_path):
     hosts_file = tmp_path / "hosts.txt"
     hosts_file.write_text("node0:1\nnode1:1\n")

@@ -117,6 +117,7 @@ def assert_quiet(text: str, finished: bool = True) -> None:
     ("train-horovodrun.sbatch", "batch-twice"),
     ("train-horovodrun.sbatch", "requeue"),
 ], ids=["srun-term-to-the-steps", "horovodrun-term-twice-to-the-batch-shell", "horovodrun-scontrol-requeue"])
+@pytest.mark.slow
 def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slurm_cluster, tiny_data, tmp_path):
     # srun's job writes the folder a job gets by default (the config names none): runs/<job name>-<job id>.
     named = script != "train.sbatch"

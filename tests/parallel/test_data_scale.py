@@ -10,9 +10,12 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO, job_env
 
 
+@pytest.mark.slow
 def test_data_scale_benchmark_measures_every_row(tmp_path):
     # 300 files in a folder, 2,000 in a synthetic index; the 2-rank broadcast (one launch) for the
     # folder alone: it is the same call on both.

@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.helpers import BIN, REPO, job_env
 
 
+@pytest.mark.slow
 def test_the_demo_recipe_warms_up_tamely_and_the_spread_benchmark_runs(tmp_path):
     # --min 0: after 2 epochs the accuracy is not the target's (the full run's 8 epochs are).
     result = subprocess.run([str(BIN / "python"), str(REPO / "benchmarks" / "seed_spread.py"), "--seeds", "0",

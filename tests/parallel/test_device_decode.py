@@ -43,6 +43,7 @@ def test_two_ranks_train_to_identical_parameters_and_validate_every_image_once(s
     assert [r["samples"] for r in records if r["split"] == "train"] == [64, 64]  # 4 steps x 2 ranks x 8
 
 
+@pytest.mark.slow
 def test_one_two_and_three_ranks_validate_alike(straight, tmp_path):
     run_dir, _ = straight
     checkpoint = str(run_dir / "checkpoints" / "last.pt")

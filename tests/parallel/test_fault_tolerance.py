@@ -235,6 +235,7 @@ def test_resume_with_a_different_number_of_ranks(tiny_data, tmp_path):
     ("horovodrun-gloo", signal.SIGKILL), ("mpirun", signal.SIGKILL),
     ("horovodrun-gloo", signal.SIGSTOP), ("mpirun", signal.SIGSTOP),
 ], ids=["kill-horovodrun", "kill-mpirun", "hang-horovodrun", "hang-mpirun"])
+@pytest.mark.slow
 def test_a_dead_or_hung_rank_stops_the_job_within_60_seconds(kind, signum, tiny_data, tmp_path):
     # The watchdog's timeout is the subject of the hang cases: 10 s, short but above any step or
     # checkpoint of this run on a loaded 2-core machine (the watchdog counts a save as progress).

@@ -58,6 +58,7 @@ def run_ddp_reference(tmp_path: Path) -> subprocess.CompletedProcess:
     return ddp
 
 
+@pytest.mark.slow
 def test_the_port_matches_ddp_resumes_exactly_and_says_when_it_had_finished(tmp_path):
     ddp = run_ddp_reference(tmp_path)
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
@@ -113,6 +114,7 @@ def test_the_benchmark_runs_every_contender_and_counts_their_work(tmp_path):
     assert "hvdtrain / ddp = " in result.stdout and "own-loop / ddp = " in result.stdout
 
 
+@pytest.mark.slow
 def test_the_stop_agreement_benchmark_runs_every_contender_and_counts_the_agreements(tmp_path):
     """benchmarks/stop_agreement.py: every contender trains its steps; every-step sends one agreement
     per timed step, hvdtrain's interval far fewer (a step of milliseconds: one per ~0.5 s). Its

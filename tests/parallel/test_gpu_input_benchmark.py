@@ -17,6 +17,7 @@ from tests.helpers import BIN, REPO, job_env
 pytest.importorskip("nvidia.nvimgcodec", reason="the gpudecode extra (nvImageCodec) is not installed")
 
 
+@pytest.mark.slow
 def test_every_contender_runs_and_counts_its_work(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([str(BIN / "python"), str(REPO / "benchmarks" / "gpu" / "input_pipeline.py"),

@@ -72,6 +72,7 @@ def launched_and_stopped(program: list[str], run_dir, line: str, tmp_path) -> tu
     return stopped_by_sigterm(launched("--gloo", program), run_dir, line, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_checkpointed_stop_exits_75_and_the_rerun_finishes(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     # 6 epochs: room for the stop agreement (about every 0.5 s of steps) before the run ends.

@@ -46,6 +46,7 @@ def test_step_phases_and_host_statistics_per_rank(tiny_data, tmp_path):
     assert any(row["workers_cpu_percent"] > 0 for record in train for row in record["by_rank"])
 
 
+@pytest.mark.slow
 def test_a_slowed_rank_is_named_as_the_straggler(tiny_data, tmp_path):
     """Rank 1 is stopped for 0.3 s of every 0.4 s (SIGSTOP/SIGCONT) while both ranks train: its
     busy time per step rises well above rank 0's, and rank 0 only waits for it in the allreduce."""

@@ -152,6 +152,7 @@ def val_lines(output: str) -> list[tuple[float, float]]:
             re.findall(r"epoch \d+ \| val loss ([0-9.]+) \| val accuracy ([0-9.]+)%$", output, re.M)]
 
 
+@pytest.mark.slow
 def test_the_port_matches_ddp_and_a_stopped_run_resumes_bitwise(tmp_path):
     ddp = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(DDP), "--epochs", "10",
                "--snapshot", str(tmp_path / "ddp.pt")], tmp_path)

@@ -128,6 +128,7 @@ def test_a_killed_rank_ends_the_job_naming_rank_and_node(cluster, tiny_data, tmp
     assert_released()
 
 
+@pytest.mark.slow
 def test_sigterm_on_the_driver_checkpoints_every_rank_and_a_rerun_resumes(cluster, tiny_data, tmp_path):
     # The ranks agree on a stop about every 0.5 s of steps, read at the latest at an epoch's end, and
     # the driver passes the signal on at its next poll: the first leg asks for more epochs than it can

@@ -77,6 +77,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_ranks_from_shards_local_s3_resumed_and_under_mpirun(shard_dir, s3, tmp_path):
     workers = ["data.workers=2"]  # the worker dealing and the resume's worker rotation are exercised
     local = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "a")]
