@@ -15,14 +15,10 @@ collect_ignore = [] if os.environ.get("HVDTRAIN_TEST_IMAGE") else ["image"]
 
 def pytest_collection_modifyitems(config, items):
     """The tiers of pytest.ini, by where a test lives: ``pytest -m "not slurm"`` and the like; and
-    the groups pytest-xdist keeps on one worker (``make test``: ``-n 2 --dist loadgroup``): a test
-    file's tests together, so that its module fixtures (an uninterrupted run, a server on a fixed
-    port, a Ray cluster) are made once; every test of tests/multinode together, since they share
-    this machine's sshd, /etc/hosts, ~/.ssh/config and its Slurm cluster."""
+    the groups pytest-xdist keeps on one worker (``make test``: ``-n 2 --dist loadgroup``)."""
     for item in items:
         path = Path(str(item.fspath))
         folder = path.parent.name
-        item.add_marker(pytest.mark.xdist_group("machine" if folder == "multinode" else str(path)))
         if folder == "parallel":
             item.add_marker("launched")
         if folder == "multinode":
@@ -33,6 +29,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slurm")
         if path.stem == "test_ray":
             item.add_marker("ray")
+        group_for_xdist(config, item, "machine" if folder == "multinode" else item.nodeid.split("::")[0])
+
+
+def group_for_xdist(config, item, group: str) -> None:
+    """Keep ``item`` on the pytest-xdist worker of ``group``: a test file's tests together, so that
+    its module fixtures (an uninterrupted run, a server on a fixed port, a Ray cluster) are made
+    once; every test of tests/multinode together, since they share this machine's sshd, /etc/hosts,
+    ~/.ssh/config and its Slurm cluster (and hold its lock for the session).
+
+    pytest-xdist's loadgroup reads the group from a ``@group`` suffix of the test's node id. Its own
+    hook (for ``xdist_group`` marks) writes the suffix to ``item._nodeid``, which pytest 9 no longer
+    reads (the id lives in ``item._id``), so every test would be a group of its own: the suffix is
+    written here, where pytest 9 reads it."""
+    item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid:
+        from _pytest.nodeid import coerce_node_id
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")
