@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -50,6 +52,9 @@ def can_bind(ip: str) -> bool:
 class RayCluster:
     def __init__(self, root: Path) -> None:
         self.root = root
+        # Ray's sockets live in its temp dir, and a Unix socket's path is at most 107 bytes: pytest's
+        # tmp_path under a pytest-xdist worker (/tmp/pytest-of-root/pytest-N/popen-gw1/...) is too long.
+        self.temp_root = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         self.groups: list[int] = []
         self.env = job_env(root)
         self.env.update({
@@ -64,7 +69,7 @@ class RayCluster:
     def ray_start(self, name: str, args: list[str], base: int, attempts: int = 2) -> None:
         """``ray start`` for one node (its ports from ``base``), retried once."""
         for attempt in range(attempts):
-            temp = self.root / f"{name}-{attempt}"
+            temp = self.temp_root / f"{name}-{attempt}"
             node_id = secrets.token_hex(28)
             common = ["--num-cpus", "1", "--resources", json.dumps({"hvd_slot": 1}), "--object-store-memory",
                       "100000000", "--temp-dir", str(temp), "--disable-usage-stats"]
@@ -110,6 +115,7 @@ class RayCluster:
 
     def stop(self) -> None:
         kill_groups(self.groups)
+        shutil.rmtree(self.temp_root, ignore_errors=True)
 
 
 def announce_agent_ports(temp: Path, node_id: str, base: int) -> None:
