@@ -67,10 +67,11 @@ def require_packages(cfg: Config) -> None:
 
 
 def epoch_values(record: dict[str, Any]) -> dict[str, float]:
-    """The numeric values of one metrics.jsonl record, named as in tensorboard (``val/top1``)."""
+    """The numeric values of one metrics.jsonl record, named as in tensorboard (``val/top1``). The
+    job and attempt that wrote the record name it; they are not series."""
     split = record["split"]
     values = {f"{split}/{key}": value for key, value in record.items()
-              if key not in ("split", "epoch", "step") and isinstance(value, (int, float))
+              if key not in ("split", "epoch", "step", "job", "attempt") and isinstance(value, (int, float))
               and not isinstance(value, bool)}
     if split == "train":  # once per epoch record pair
         values["epoch"] = record["epoch"]
