@@ -201,7 +201,7 @@ def report_import_failure(error: BaseException) -> None:
     if line is None:
         return
     from .comm import launcher_env
-    from .launch.horovodrun import record_exit
+    from .launch.records import record_exit
 
     rank = launcher_env.rank()
     if rank != 0:

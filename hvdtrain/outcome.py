@@ -99,6 +99,6 @@ def crash_cause(error: BaseException) -> None:
 
 def write_exit_record(code: int) -> None:
     """This rank's exit record for ``hvdtrain launch`` (nothing outside it, or for code 0)."""
-    from .launch.horovodrun import record_exit
+    from .launch.records import record_exit
 
     record_exit(launcher.rank(), code, cause())
