@@ -9,6 +9,7 @@ import ctypes
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -260,17 +261,18 @@ def test_the_doctor_checks_the_runs_folders_and_a_package_the_host_lacks(tmp_pat
     assert re.search(r"^data folder read speed \(up to 32 MB or 5 s per host, page cache dropped where allowed\): "
                      r"localhost \d+ MB/s, [\d,]+ files/s \(11\d files\)$", good.stdout, re.M), good.stdout
     # A data folder that is not there: test_data_dir_missing_and_output_dir_not_writable_name_the_host.
-    # A Python that cannot import simplejpeg (a host's broken install; here the probe's own, the
-    # doctor itself reads no config and needs none of it).
+    # A simplejpeg of the user's on PYTHONPATH that hides the installed one and cannot be imported
+    # (the probe's own import; the doctor itself reads no config and needs none of it): the doctor
+    # names the file that shadows it and the fix. A package missing on a host: the test above.
     broken = tmp_path / "broken"
     (broken / "simplejpeg").mkdir(parents=True)
     (broken / "simplejpeg" / "__init__.py").write_text("raise ImportError('libturbojpeg.so.0: cannot open')\n")
     bad = run_doctor(tmp_path, "-H", "localhost:1", "--skip-bench", env={"PYTHONPATH": str(broken)})
     assert bad.returncode == 1, bad.stdout + bad.stderr
+    installed = Path(PYTHON).parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "simplejpeg"
     assert bad.stderr.splitlines() == [
-        f"hvdtrain doctor: localhost: its Python ({PYTHON}) cannot import simplejpeg (ImportError: libturbojpeg.so.0: "
-        f"cannot open): install it there (pip install simplejpeg, or make setup); every host needs the same "
-        f"environment"], bad.stderr
+        f"hvdtrain doctor: localhost: module 'simplejpeg' is shadowed by {broken / 'simplejpeg' / '__init__.py'} (on "
+        f"PYTHONPATH), which hides the installed {installed}: rename it, or take {broken} off PYTHONPATH"], bad.stderr
 
 
 def test_the_doctors_trap_lines_for_a_one_host_discovery_script_and_a_config(tmp_path, capsys):
