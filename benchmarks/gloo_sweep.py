@@ -1,5 +1,5 @@
 """Alternating sweep: DDP against hvdtrain with 2 ranks under the Gloo controller, with Horovod's
-settings varied (docs/benchmarks.md, "The Gloo gap").
+settings varied (benchmarks/results/gloo-gap_amd-epyc-2core_2026-11-24.md).
 
     python benchmarks/gloo_sweep.py --rounds 8 --variants b0,b25,b25+w
 
