@@ -4,6 +4,7 @@ setup(
     name="hvdtrain",
     version="0.1.0",
     description="Horovod-based distributed ImageNet trainer for PyTorch",
+    license="Apache-2.0",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     package_data={"hvdtrain": ["configs/*.yaml", "configs/*.json"]},
     python_requires=">=3.9",
