@@ -165,7 +165,7 @@ def shared(root: Path, cache: Path | None, rank: int):
     from hvdtrain.data.files.index import shared_index
 
     extra = {}
-    if "allgather" in inspect.signature(shared_index).parameters:  # absent before issue 38
+    if "allgather" in inspect.signature(shared_index).parameters:  # absent from the older JSON-index code this compares against
         extra["allgather"] = dist.allgather
     return shared_index(root, cache, rank == 0, dist.broadcast_object, **extra)
 

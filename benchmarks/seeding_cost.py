@@ -36,7 +36,7 @@ class Plain(Dataset):
 
 
 class Before(Dataset):
-    """SeededSamples before issue 34."""
+    """SeededSamples as it was with torch.manual_seed inside fork_rng (about 1 ms a sample)."""
 
     def __init__(self, dataset):
         self.dataset = dataset
