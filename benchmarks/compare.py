@@ -137,7 +137,7 @@ def table(summary: dict) -> list[str]:
 
 
 def markdown(summary: dict) -> list[str]:
-    """The table as Markdown, for docs/benchmarks.md."""
+    """The table as Markdown, for a result in benchmarks/results/."""
     lines = ["| contender | ranks | median img/s | min..max | ratio of medians | paired: median, mean +- 95% |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, row in summary["contenders"].items():
