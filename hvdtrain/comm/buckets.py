@@ -15,7 +15,8 @@ def gradient_buckets(parameters: list[torch.nn.Parameter], bucket_mb: float) -> 
     Horovod allreduces a group once all of its gradients are ready, as one fused allreduce: the
     buckets of DistributedDataParallel. Without groups, every cycle (HOROVOD_CYCLE_TIME) fuses
     whatever gradients happen to be ready, so one backward pass becomes many smaller allreduces,
-    each with its own negotiation; under Gloo on CPU that cost is measurable (docs/benchmarks.md).
+    each with its own negotiation; under Gloo on CPU that cost is measurable
+    (benchmarks/results/gloo-gap_amd-epyc-2core_2026-11-24.md).
     A parameter that gets no gradient in a step leaves its group incomplete; Horovod then reduces
     that group's gradients one by one in ``step()``, on every rank alike."""
     limit = bucket_mb * 1e6

@@ -7,7 +7,8 @@ heap back to the kernel past its trim threshold. The next step then faults the s
 and the kernel zeroes each one: resnet18 at 224 px, batch 16, one thread took 72,000-106,000 minor
 page faults per step (290-430 MB of pages), a hand-written loop as much as hvdtrain, by a count that
 varies from run to run with the order of the frees. With the settings below: 0-5,000, and a step
-in 0.72-1.04 of the time (8 alternated pairs, median 0.89; docs/benchmarks.md, "Host memory").
+in 0.72-1.04 of the time (8 alternated pairs, median 0.89;
+benchmarks/results/host-malloc_intel-xeon-2core_2026-11-27.md).
 
 ``tuned`` (``runtime.host_malloc``; ``auto`` = tuned where the ranks train on the CPU) sets, through
 ``mallopt``: no block from ``mmap`` (M_MMAP_MAX=0), up to 1 GiB kept free at the heap's top

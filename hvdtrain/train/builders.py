@@ -189,9 +189,9 @@ def has_sparse_gradients(model: torch.nn.Module) -> bool:
 
 def bucket_mb_for(cfg: Config, device: torch.device, sparse: bool = False) -> float:
     """dist.bucket_mb resolved: auto is DDP's 25 MB on CPU (measured faster under Gloo,
-    docs/benchmarks.md) and Horovod's per-cycle fusion on GPU. Sparse gradients (``sparse``) take no
-    groups (Horovod's grouped allreduce refuses them, made dense or not), and neither do elastic runs
-    (validate() refuses an explicit size there)."""
+    benchmarks/results/gloo-gap_amd-epyc-2core_2026-11-24.md) and Horovod's per-cycle fusion on
+    GPU. Sparse gradients (``sparse``) take no groups (Horovod's grouped allreduce refuses them, made
+    dense or not), and neither do elastic runs (validate() refuses an explicit size there)."""
     if sparse or cfg.elastic.enabled:
         return 0
     if cfg.dist.bucket_mb == -1:

@@ -1,7 +1,8 @@
 """``benchmarks/data_scale.py`` at tiny sizes, each measurement once: every row asked for is there,
 and the work it timed was done (files indexed, samples drawn through the loader and the sampler,
 the index shared by 2 ranks launched for real, once mapped and once sent). The figures themselves
-are the benchmark's (docs/benchmarks.md has them, with their commands), not the suite's."""
+are the benchmark's (benchmarks/results/file-lists-at-scale_amd-epyc-2core_2026-11-25.md has them,
+with their commands), not the suite's."""
 
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ def val_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_small_images_recipe_learns_digits_on_two_ranks(digits, tmp_path):
-    """The full figure (20 epochs, >= 99%) is in docs/benchmarks.md; here 2 epochs (44 steps, the
-    cosine schedule over them) must pass 75%. (After one epoch the validation is still at chance
+    """The full figure (20 epochs, >= 99%) is in
+    benchmarks/results/small-images-digits_amd-epyc-2core_2026-11-23.md; here 2 epochs (44 steps, the
+    cosine schedule over them) must reach 60%. (After one epoch the validation is still at chance
     level, as in a plain PyTorch loop: BatchNorm's running statistics lag the fast-moving weights.)"""
     run_dir = tmp_path / "run"
     launch("horovodrun-gloo", 2, ["-m", "hvdtrain", "--config", "small_images", f"data.dir={digits}",
@@ -40,9 +41,9 @@ def test_small_images_recipe_learns_digits_on_two_ranks(digits, tmp_path):
                                   "output.tensorboard=false", "checkpoint.keep=0"], tmp_path)
     val = val_metrics(run_dir)
     assert len(val) == 2 and val[-1]["samples"] == 360
-    # Learned, far above chance (10%): 2 epochs gave 72.8% on an Intel Xeon with AVX-512, the same with the
-    # code before this change, and above 75% on the AMD EPYC this bound was first set on (oneDNN's kernels
-    # differ by CPU; the full recipe's band over seeds and threads is in docs/benchmarks.md).
+    # Learned, far above chance (10%): 2 epochs gave 72.8% on an Intel Xeon with AVX-512 and above 75% on
+    # an AMD EPYC (oneDNN's kernels differ by CPU; the full recipe's band over seeds and threads is in
+    # benchmarks/results/demo-seed-spread_amd-epyc-2core_2026-11-25.md).
     assert val[-1]["top1"] >= 60.0, val
 
 

@@ -118,7 +118,8 @@ def test_the_benchmark_runs_every_contender_and_counts_their_work(tmp_path):
 def test_the_stop_agreement_benchmark_runs_every_contender_and_counts_the_agreements(tmp_path):
     """benchmarks/stop_agreement.py: every contender trains its steps; every-step sends one agreement
     per timed step, hvdtrain's interval far fewer (a step of milliseconds: one per ~0.5 s). Its
-    timing (600 steps after 50, 3 rounds) is in docs/benchmarks.md; here 40 steps after 5, once each."""
+    timing (600 steps after 50, 3 rounds) is in
+    benchmarks/results/stop-agreement_intel-xeon-2core_2026-11-27.md; here 40 steps after 5, once each."""
     result = subprocess.run([str(BIN / "python"), str(REPO / "benchmarks" / "stop_agreement.py"), "--rounds", "1",
                              "--steps", "40", "--warmup-steps", "5", "--bind", "rank",
                              "--contenders", "none,every-step,hvdtrain,ddp", "--out", str(tmp_path)], cwd=tmp_path,

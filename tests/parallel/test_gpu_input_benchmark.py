@@ -3,7 +3,8 @@ size on the CPU (nvImageCodec's CPU backend, no nvidia-smi): every contender run
 stand for work done (the epochs' steps and samples), so the script is known to work before a GPU
 call is spent on it. One CPU-pipeline contender (0 workers; the decoding one has a worker): each
 contender is a fresh process, the same code whatever its worker count. The measurement itself (a
-GPU, its targets) is docs/benchmarks.md's, "GPU: real JPEGs, CPU against GPU decoding"."""
+GPU, its targets) is docs/benchmarks.md's, "GPU: real JPEGs, CPU against GPU decoding" (not yet run
+on a GPU, so no results file)."""
 
 from __future__ import annotations
 
