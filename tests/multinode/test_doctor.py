@@ -22,7 +22,8 @@ def test_doctor_checks_both_nodes_and_measures_allreduce(two_nodes, tmp_path):
     hostfile = two_nodes.hostfile(tmp_path / "hosts")
     before = two_nodes.accepted_logins()
     # No --network-interfaces: the doctor picks lo, the interface whose subnet holds both nodes'
-    # addresses. Left to horovodrun, Open MPI got lo and eth0 and hung (docs/launching.md).
+    # addresses. Left to horovodrun, Open MPI gets lo and eth0 and can hang (docs/launching.md, "Pin one
+    # interface").
     result = doctor(two_nodes, tmp_path, "--hostfile", str(hostfile), "--sizes", "4K,256K,4M")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
