@@ -10,7 +10,7 @@ EXTRAS ?=
 
 .PHONY: setup demo test test-fast image test-image test-unit bench clean
 
-# EXTRAS=ray,mlflow,... also installs optional integrations (setup.py extras_require, pinned).
+# EXTRAS=ray,mlflow,... also installs optional integrations (pyproject.toml's optional-dependencies, pinned).
 setup:
 	@EXTRAS="$(EXTRAS)" HVDTRAIN_VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" bash scripts/setup.sh
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-# The packages a rank imports (setup.py's, torch and Horovod), by module name.
+# The packages a rank imports (pyproject.toml's, torch and Horovod), by module name.
 DEPENDENCIES = ("torch", "torchvision", "horovod", "numpy", "PIL", "yaml", "tensorboardX", "tqdm", "psutil",
                 "simplejpeg")
 

@@ -42,8 +42,9 @@
 #                              without sums, holds for the wheels in setup's own cache, which must also
 #                              match the SHA256SUMS written when they were built (scripts/wheel-check.sh
 #                              says why a sum beside the wheel alone would not do)
-#   EXTRAS=a,b                 optional integrations to install too (setup.py extras_require, pinned),
-#                              e.g. EXTRAS=ray,mlflow; `make setup EXTRAS=...` passes it through
+#   EXTRAS=a,b                 optional integrations to install too (pyproject.toml's
+#                              optional-dependencies, pinned), e.g. EXTRAS=ray,mlflow; `make setup
+#                              EXTRAS=...` passes it through
 #   HVDTRAIN_EXTRA_CA=FILE     a PEM bundle that apt and pip trust besides their own (a TLS-intercepting
 #                              proxy's CA); ignored when FILE does not exist (docker/Dockerfile passes
 #                              its optional build secret this way)
@@ -69,7 +70,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # Pins. torch/torchvision are the registry's CUDA builds: there is no CPU-only torchvision wheel,
 # and the CUDA build runs fine on machines without a GPU.
 torch_pins=(torch==2.13.0 torchvision==0.28.0)
-# setup.py pins the same versions (tests/unit/test_supply_chain.py keeps the two in step).
+# pyproject.toml pins the same versions (tests/unit/test_supply_chain.py keeps the two in step).
 python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy==2.4.6 pillow==13.0.0 simplejpeg==1.9.0
              matplotlib==3.11.2 pytest==9.2.0 cloudpickle==3.1.3 psutil==7.2.2 packaging==26.4 cffi==2.1.1
              setuptools==84.2.1 wheel==0.48.0)
@@ -84,7 +85,7 @@ load_horovod_series || die "$horovod_patches_problem"
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
 stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
-            "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/setup.py" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
+            "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"
 # python_problem, install_hvdtrain, hvdtrain_sources_hash: a shared install

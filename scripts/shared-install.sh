@@ -64,7 +64,7 @@ install_hvdtrain() {
     src=$(mktemp -d)
     # shellcheck disable=SC2064
     trap "rm -rf '$src'" RETURN
-    cp "$repo/setup.py" "$src/"
+    cp "$repo/pyproject.toml" "$repo/README.md" "$src/"
     cp -r "$repo/hvdtrain" "$src/"
     find "$src" -name __pycache__ -prune -exec rm -rf {} +
     "$vpy" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$src"

@@ -9,8 +9,8 @@
 #   podman, debootstrap only with the argument `image` (make test-image): build the docker image
 #                       without Docker or a registry (docker/build-local.sh) and run it via chroot
 #
-#   .[test] extra       the Python packages only the tests need (setup.py: pytest and the pinned
-#                       optional integrations the tests exercise for real), into $VENV
+#   .[test] extra       the Python packages only the tests need (pyproject.toml: pytest and the
+#                       pinned optional integrations the tests exercise for real), into $VENV
 #
 # HVDTRAIN_SKIP_APT=1 never calls apt-get: the tests that need a missing package skip and say why.
 set -euo pipefail
@@ -18,9 +18,9 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$repo/.venv}
 [[ $venv = /* ]] || venv=$repo/$venv
-# Python test requirements: reinstalled only when setup.py changed since the last time.
+# Python test requirements: reinstalled only when pyproject.toml changed since the last time.
 stamp_file=$venv/.hvdtrain-test-deps.stamp
-stamp=$(sha256sum "$repo/setup.py" | cut -d' ' -f1)
+stamp=$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)
 if [[ ! -f $stamp_file || $(cat "$stamp_file") != "$stamp" ]]; then
     echo "[test-deps] installing the .[test] extra"
     PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_DISABLE_PIP_VERSION_CHECK=1 \

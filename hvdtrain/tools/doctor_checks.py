@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 from .. import environment
 from ..ownership import folder_problem
 
-# What a training rank imports besides torch and Horovod (setup.py's install_requires): module,
+# What a training rank imports besides torch and Horovod (pyproject.toml's dependencies): module,
 # the package that installs it.
 REQUIRED_MODULES = (("torchvision", "torchvision"), ("numpy", "numpy"), ("PIL", "pillow"),
                     ("simplejpeg", "simplejpeg"), ("yaml", "pyyaml"), ("tensorboardX", "tensorboardX"),
