@@ -9,8 +9,8 @@
 #   podman, debootstrap only with the argument `image` (make test-image): build the docker image
 #                       without Docker or a registry (docker/build-local.sh) and run it via chroot
 #
-#   .[test] extra       the Python packages only the tests need (pyproject.toml: pytest and the
-#                       pinned optional integrations the tests exercise for real), into $VENV
+#   .[test] extra       the Python packages only the tests need (pyproject.toml: pytest, ruff and
+#                       the pinned optional integrations the tests exercise for real), into $VENV
 #
 # HVDTRAIN_SKIP_APT=1 never calls apt-get: the tests that need a missing package skip and say why.
 set -euo pipefail
