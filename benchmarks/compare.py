@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hvdtrain.tools.bench import interval95  # noqa: E402
+
 BIN = Path(sys.executable).parent
 LOOP = REPO / "benchmarks" / "torch_loop.py"
 

@@ -55,8 +55,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from proc_memory import PssPeak, descendants, memory  # noqa: E402  (benchmarks/, beside this script)
-from sampler_epoch import (  # noqa: E402  (the same)
-    child_first_epoch, child_sampler, measure_first_epoch, measure_sampler, sampler_fields)
+from sampler_epoch import child_first_epoch, child_sampler, measure_first_epoch, measure_sampler, sampler_fields  # noqa: E402  (the same)
 
 BIN = Path(sys.executable).parent
 MIB = 1 << 20
@@ -196,9 +195,9 @@ def child_loader(args: argparse.Namespace) -> dict:
     from hvdtrain.config import DataConfig
     from hvdtrain.data.files.index import shared_index
     from hvdtrain.data.image.folder import ImageFiles, collate
+    from hvdtrain.data.image.transforms import fast_train_transform
     from hvdtrain.data.loaders import loader_kwargs, shutdown_workers
     from hvdtrain.data.sampler import SeededSamples, ShardedSampler
-    from hvdtrain.data.image.transforms import fast_train_transform
 
     root, cache = index_args(args.root, args.cache)
     peak = PssPeak()

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nlast epoch, over seeds {args.seeds}:")
     for name in CONTENDERS:
         print(f"  {name:8s} {spread(final[name])}; wall {spread(summary[name]['wall_seconds'])} s")
-    print(f"  hvdtrain - DDP, seed by seed: "
+    print("  hvdtrain - DDP, seed by seed: "
           + ", ".join(f"{h - d:+.2f}" for h, d in zip(final["hvdtrain"], final["ddp"])))
     result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "curves": {name: {str(s): curves[name][s] for s in args.seeds} for name in CONTENDERS},

@@ -7,7 +7,6 @@ import argparse
 
 from .config import Config
 
-
 CONFIG_DOC = "docs/config.md"
 """The config reference (every key, its type, default and meaning), in the hvdtrain repository."""
 

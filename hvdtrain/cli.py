@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .comm import launcher_env as launcher
 from . import environment, outcome
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
+from .comm import launcher_env as launcher
 from .config import PACKAGED_CONFIGS, dump_yaml, load_config
 from .fault import signals
+
 
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (Horovod is not initialized yet, nor imported)."""

@@ -56,11 +56,11 @@ from torch.utils.data import Sampler
 
 from . import outcome
 from .checkpoint.io import atomic_save
-from .ownership import UMASK
 from .comm import dist as _hvd
 from .comm.ddp import AveragingWrapper
 from .config import ConfigError
 from .data.sampler import ShareKey, epoch_order, rank_share
+from .ownership import UMASK
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 BACKENDS = (None, "gloo", "nccl", "mpi", "cpu:gloo,cuda:nccl")

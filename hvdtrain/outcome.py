@@ -21,12 +21,12 @@ import socket
 import sys
 import time
 
-from .comm import launcher_env as launcher
 from .arguments import UsageError
+from .comm import launcher_env as launcher
 from .config import ConfigError
 from .data import DataError
-from .ownership import UnsafePath
 from .environment import EnvironmentProblem
+from .ownership import UnsafePath
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 74, 75, 130
 EXIT_DATA_VANISHED = 65

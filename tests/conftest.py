@@ -51,9 +51,9 @@ def group_for_xdist(config, item, group: str) -> None:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """4 classes x 24 training images; 21 validation images (an odd count: uneven shards)."""
-    from hvdtrain.data.demo import draw, generate
-
     import numpy as np
+
+    from hvdtrain.data.demo import draw, generate
 
     root = session_dir(tmp_path_factory, "tiny_data")
     generate(root, train_per_class=24, val_per_class=5, size=40, num_classes=4)

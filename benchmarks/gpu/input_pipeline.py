@@ -41,8 +41,9 @@ sys.path.insert(0, str(REPO))
 
 
 def write_one(args: tuple[Path, int]) -> None:
-    from hvdtrain.tools.bench_data import photo
     import numpy as np
+
+    from hvdtrain.tools.bench_data import photo
 
     path, seed = args
     photo(np.random.default_rng(seed)).save(path, quality=90)

@@ -14,8 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-import hvdtrain
 from tabular_task import TabularTask
+
+import hvdtrain
 
 HERE = Path(__file__).resolve().parent
 

@@ -17,15 +17,14 @@ import weakref
 from typing import Any, Iterable, Iterator
 
 import cloudpickle
-import torch
-
 import horovod.torch as hvd
+import torch
 from horovod.common.elastic import State as ElasticStateBase
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
+from ..config import ConfigError
 from . import launcher_env as launcher
 from .buckets import gradient_buckets
-from ..config import ConfigError
 from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, check_elastic_env, stall_inspector_env
 
 Compression = hvd.Compression

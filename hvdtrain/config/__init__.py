@@ -13,15 +13,40 @@ key and what would have been valid.
 - load.py      defaults < file < overrides, the task's section mounted, validated
 """
 
-from .keys import ConfigError
 from .checks import UPPER_BOUNDS, float_pair, milestone_epochs, step_range, target_value, validates_after
 from .files import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PACKAGED_CONFIGS, read_config_file, resolve_config_path
-from .load import (apply_mapping, apply_override, describe_keys, dump_yaml, flatten, from_dict, load_config,
-                   migrate_moved_keys, to_dict, validate)
+from .keys import ConfigError
+from .load import (
+    apply_mapping,
+    apply_override,
+    describe_keys,
+    dump_yaml,
+    flatten,
+    from_dict,
+    load_config,
+    migrate_moved_keys,
+    to_dict,
+    validate,
+)
 from .root import MOVED_KEYS, Config, config_type, task_section
-from .sections import (AmpConfig, AugmentConfig, CheckpointConfig, DataConfig, DistConfig, ElasticConfig, EmaConfig,
-                       EvalConfig, ModelConfig, OptimConfig, OutputConfig, RuntimeConfig, TrackingConfig, TrainConfig,
-                       WandbConfig, MlflowConfig)
+from .sections import (
+    AmpConfig,
+    AugmentConfig,
+    CheckpointConfig,
+    DataConfig,
+    DistConfig,
+    ElasticConfig,
+    EmaConfig,
+    EvalConfig,
+    MlflowConfig,
+    ModelConfig,
+    OptimConfig,
+    OutputConfig,
+    RuntimeConfig,
+    TrackingConfig,
+    TrainConfig,
+    WandbConfig,
+)
 
 __all__ = ["Config", "ConfigError", "load_config", "apply_override", "apply_mapping", "from_dict", "to_dict",
            "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range", "target_value",

@@ -20,10 +20,10 @@ from typing import Any
 
 import yaml
 
-from .keys import ConfigError, field_types, set_key, type_name
 from ..train.run_folder import resolve_output_dir
 from .checks import check_core
 from .files import read_config_file, resolve_config_path
+from .keys import ConfigError, field_types, set_key, type_name
 from .root import MOVED_KEYS, Config, bind_section, task_section
 
 

@@ -16,8 +16,22 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .keys import ConfigError, set_key
-from .sections import (AmpConfig, AugmentConfig, CheckpointConfig, DataConfig, DistConfig, ElasticConfig, EmaConfig,
-                       EvalConfig, ModelConfig, OptimConfig, OutputConfig, RuntimeConfig, TrackingConfig, TrainConfig)
+from .sections import (
+    AmpConfig,
+    AugmentConfig,
+    CheckpointConfig,
+    DataConfig,
+    DistConfig,
+    ElasticConfig,
+    EmaConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    OutputConfig,
+    RuntimeConfig,
+    TrackingConfig,
+    TrainConfig,
+)
 
 # Keys that moved from a core section into a task's own (issue 31): the old key -> the new one. A
 # config file or override that uses an old key stops with one line naming the new one; a config

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+
 @dataclass
 class ModelConfig:
     arch: str = "resnet50"

@@ -20,6 +20,7 @@ from ..comm import launcher_env as launcher
 from ..config import DataConfig
 from .sampler import ShardedSampler
 
+
 def init_worker(worker_id: int, trainer_pid: int, quiet: bool = False) -> None:
     """Set up a loader worker.
 

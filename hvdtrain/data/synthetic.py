@@ -6,6 +6,7 @@ from typing import Iterator
 
 import torch
 
+
 class SyntheticBatches:
     """One random uint8 batch, yielded ``steps`` times: the input pipeline costs nothing."""
 

@@ -29,8 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..comm import dist
 from .. import outcome
+from ..comm import dist
 from ..launch.job import current as current_job
 from ..ownership import PRIVATE, open_append
 

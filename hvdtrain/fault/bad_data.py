@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..comm import dist
 from .. import outcome
+from ..comm import dist
 from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit, validation_over_limit
 from ..data.image.folder import MAX_REPLACEMENTS
 from ..ownership import PRIVATE, UnsafePath, open_append, own_folder

@@ -37,9 +37,9 @@ import torch
 
 from ..comm import dist
 from ..config import Config, ConfigError
+from ..observe.metrics import MetricSums
 from ..optim.build import LRSchedule
 from ..ownership import PRIVATE, open_append
-from ..observe.metrics import MetricSums
 from ..train.outputs import Outputs
 from ..train.run import Run, log, resume
 from ..train.state import RunState

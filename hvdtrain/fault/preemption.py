@@ -33,7 +33,8 @@ from typing import Iterator
 import torch
 
 from .. import outcome
-from ..comm import dist, launcher_env as launcher
+from ..comm import dist
+from ..comm import launcher_env as launcher
 from . import signals
 from .spot import NoticeWatcher
 

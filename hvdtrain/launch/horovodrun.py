@@ -26,10 +26,10 @@ import json
 import os
 import re
 import secrets
+import select
 import signal
 import socket
 import subprocess
-import select
 import sys
 import tempfile
 import threading
@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import IO
 
 from ..fault import signals
-
 from ..train.preflight import check_train_args, hvdtrain_train_args
 from .records import RECORD, RECORDS_VARIABLE, TOKEN_VARIABLE, exit_record, read_record_files, record_exit  # noqa: F401
 

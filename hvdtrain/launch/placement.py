@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..comm import dist, launcher_env as launcher
+from ..comm import dist
+from ..comm import launcher_env as launcher
 
 CPU_SYSFS = Path("/sys/devices/system/cpu")
 

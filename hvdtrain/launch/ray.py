@@ -43,9 +43,25 @@ import threading
 import time
 from typing import Any
 
-from .ray_plan import (ANSWER_SECONDS, EXIT_PREEMPTED, FOLLOW_SECONDS, INSTALL_HINT, POLL_SECONDS, Options, Placement,
-                       RayLaunchError, Slot, assign_ranks, check_train_args, describe_exit, host_names, interface_of,
-                       node_gpus, parse_args, rank_env)
+from .ray_plan import (
+    ANSWER_SECONDS,
+    EXIT_PREEMPTED,
+    FOLLOW_SECONDS,
+    INSTALL_HINT,
+    POLL_SECONDS,
+    Options,
+    Placement,
+    RayLaunchError,
+    Slot,
+    assign_ranks,
+    check_train_args,
+    describe_exit,
+    host_names,
+    interface_of,
+    node_gpus,
+    parse_args,
+    rank_env,
+)
 from .ray_rendezvous import rendezvous_addr, start_rendezvous
 
 __all__ = ["main", "Job", "RankActor", "Placement", "Slot", "RayLaunchError", "assign_ranks", "describe_exit",

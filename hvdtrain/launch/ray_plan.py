@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from .. import outcome
 
-
 INSTALL_HINT = "Ray is not installed: pip install -e .[ray] (or make setup EXTRAS=ray)"
 EXIT_PREEMPTED = outcome.EXIT_PREEMPTED  # the one map (outcome.py; light: no torch on the driver)
 POLL_SECONDS = 0.5

@@ -10,7 +10,6 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 
-
 TIMM_PREFIX = "timm/"
 TIMM_MISSING = "timm is not installed (pip install -e '.[timm]', or make setup EXTRAS=timm)"
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..comm import dist, launcher_env as launcher
+from ..comm import dist
+from ..comm import launcher_env as launcher
 from . import phases, rank_logs
 from .sysstats import across_ranks
 

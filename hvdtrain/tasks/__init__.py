@@ -11,8 +11,19 @@ follows a step through the modules.
 """
 
 from .base import DIRECTIONS, DataEnv, Task, metric_direction, metric_directions
-from .registry import (REQUIRED, TASKS, TASKS_DOC, build_task, check_task_class, checkpoint_task, load_file, provide,
-                       provided, settings_of, task_class)
+from .registry import (
+    REQUIRED,
+    TASKS,
+    TASKS_DOC,
+    build_task,
+    check_task_class,
+    checkpoint_task,
+    load_file,
+    provide,
+    provided,
+    settings_of,
+    task_class,
+)
 
 __all__ = ["DIRECTIONS", "DataEnv", "Task", "metric_direction", "metric_directions", "REQUIRED", "TASKS", "TASKS_DOC",
            "build_task", "check_task_class", "checkpoint_task", "load_file", "provide", "provided", "settings_of",

@@ -19,9 +19,9 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
+from ..config.keys import ConfigError
 from ..config.root import Config
 from ..data.loaders import Loaders
-from ..config.keys import ConfigError
 
 
 @dataclass

@@ -23,17 +23,17 @@ from torch.utils.data import DataLoader
 
 from ..config import Config, ConfigError
 from ..data.demo import ensure_demo_dataset
-from ..data.image.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
-from ..data.files.index import FileIndex, shared_index
 from ..data.files.file_list import host_budget
+from ..data.files.index import FileIndex, shared_index
+from ..data.files.val_split import shared_split
+from ..data.image.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
 from ..data.image.folder import CountingLoader, ImageFiles, collate
-from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
 from ..data.image.mixing import BatchMix
 from ..data.image.resolution import epoch_resolution
+from ..data.image.transforms import DeviceNormalizer, fast_eval_transform, fast_train_transform
+from ..data.loaders import Loaders, index_cache_dir, loader_kwargs
 from ..data.sampler import SeededSamples, ShardedSampler
 from ..data.synthetic import SyntheticBatches
-from ..data.files.val_split import shared_split
-from ..data.image.transforms import DeviceNormalizer, fast_eval_transform, fast_train_transform
 from ..model.build import build_model
 from . import DataEnv, Task
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from ..config.root import CORE_SECTIONS, Config
 from ..config.keys import ConfigError
+from ..config.root import CORE_SECTIONS, Config
 from .base import DIRECTIONS, Task
 
 # The tasks that ship with hvdtrain: config name -> "module:Class".

@@ -80,10 +80,10 @@ def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[
 def timed_run(run: Any, cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
     """The benchmark's measurements of a run set up and resumed."""
     from ..comm import dist
-    from ..train.builders import compression_for
     from ..data.synthetic import SyntheticBatches
-    from ..train.engine import Epoch
     from ..observe.phases import PHASES, epoch_phases
+    from ..train.builders import compression_for
+    from ..train.engine import Epoch
     from ..train.save import audit_ranks
 
     state, settings = run.state, run.settings

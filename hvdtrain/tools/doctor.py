@@ -51,11 +51,22 @@ from ..config import ConfigError, load_config
 from . import doctor_checks as checks
 from .allreduce import bench, print_bandwidth, run_bench
 from .allreduce_slurm import NotStarted, gloo_rank_env, launch_line, local_addresses, run_srun_bench
+
 # The doctor's names, as tests and the CLI know them: the host list and the probe's facts live apart.
 from .doctor_checks import gloo_launcher_hides_env, secrets_note  # noqa: F401
-from .doctor_hosts import (DoctorError, Host, check_host_name, extra_task, parse_hosts, pick_hosts, read_hostfile,  # noqa: F401 (re-exported)
-                           srun_probe_command)
-from .doctor_hosts import common_interfaces, interface_line, pick_interface
+from .doctor_hosts import (  # noqa: F401 (re-exported)
+    DoctorError,
+    Host,
+    check_host_name,
+    common_interfaces,
+    extra_task,
+    interface_line,
+    parse_hosts,
+    pick_hosts,
+    pick_interface,
+    read_hostfile,
+    srun_probe_command,
+)
 from .process import run_with_deadline
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -86,7 +97,8 @@ def local_facts(data_dir: str | None = None, output_dir: str | None = None) -> d
 
     import hvdtrain
 
-    from ..comm import dist, launcher_env as launcher
+    from ..comm import dist
+    from ..comm import launcher_env as launcher
 
     interfaces = {}  # name -> ["10.0.0.5/24", ...]: addresses with their subnets
     for name, addresses in psutil.net_if_addrs().items():

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..data import DataError
-from ..ownership import own_folder, replace_file, write_atomic
 from ..observe.phases import LABELS, PHASES
 from ..observe.rank_logs import RANKS_FILE, attach_rank_detail, rank_ranges
+from ..ownership import own_folder, replace_file, write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -17,11 +17,12 @@ from ..config import Config, ConfigError, TrainConfig
 from ..data import DataError
 from ..data.loaders import Loaders
 from ..data.sampler import ShardedSampler
-from ..model.finetune import apply_freeze
-from ..optim.build import LRSchedule, build_optimizer as build_named_optimizer
-from ..model.sync_bn import convert_sync_batchnorm
-from ..tasks import DataEnv, Task
 from ..fault.watchdog import LivenessService, Peer, listen_addresses
+from ..model.finetune import apply_freeze
+from ..model.sync_bn import convert_sync_batchnorm
+from ..optim.build import LRSchedule
+from ..optim.build import build_optimizer as build_named_optimizer
+from ..tasks import DataEnv, Task
 
 
 def wants_gpu(cfg: Config) -> bool:

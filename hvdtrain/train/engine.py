@@ -19,11 +19,11 @@ import torch
 from ..comm import dist
 from ..data.files.bad_files import combine
 from ..observe.metrics import MetricSums
-from ..optim.build import LRSchedule, set_lr
 from ..observe.phases import GPU_SAMPLE_EVERY, NO_CLOCK, StepClock
+from ..optim.build import LRSchedule, set_lr
+from ..tasks import Task
 from .guard import FiniteGuard
 from .state import RunState
-from ..tasks import Task
 
 AllreduceSum = Callable[[torch.Tensor], torch.Tensor]
 

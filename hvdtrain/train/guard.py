@@ -5,11 +5,10 @@ before anything of it is saved.
 
 from __future__ import annotations
 
-
 import torch
 
-from ..comm import dist
 from .. import outcome
+from ..comm import dist
 
 
 class JobStopped(Exception):

@@ -8,27 +8,26 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable
 
-
 from ..checkpoint import io as checkpoint
 from ..comm import dist
-from ..observe import tracking
+from ..comm.dist import log
 from ..config import ConfigError, dump_yaml, target_value, validates_after
 from ..data.loaders import shutdown_workers
-from ..comm.dist import log
-from .engine import evaluate
-from ..observe.metrics import MetricSums, MetricsWriter, StepCurves
-from ..observe.report import add_rank_report
+from ..fault import attempts, signals
 from ..fault.bad_data import check_validation
 from ..fault.preemption import StopRequest
+from ..launch.job import current as current_job
+from ..observe import tracking
+from ..observe.metrics import MetricSums, MetricsWriter, StepCurves
 from ..observe.rank_logs import write_host_map
+from ..observe.report import add_rank_report
 from ..ownership import own_folder, write_atomic
 from ..tasks import metric_direction
+from .engine import evaluate
 from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
 from .run_folder import FIX
 from .save import DiskFull, audit_ranks, save_checkpoint
 from .stops import NoProgress, Preempted
-from ..fault import attempts, signals
-from ..launch.job import current as current_job
 
 
 class Outputs:

@@ -17,29 +17,39 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoint import io as checkpoint
+from ..checkpoint.identity import differences, listed, model_fit, refusal
 from ..comm import dist
-from ..observe import tracking
-from .builders import (build_loaders, build_model, build_optimizer, build_peers, build_scaler, compression_for,
-                       last_batch_note, pick_device, threads_per_rank, wants_gpu)
+from ..comm.dist import log
 from ..config import Config, ConfigError, step_range, target_value
 from ..data.files.bad_files import vanished_classes
 from ..data.loaders import Loaders
-from ..comm.dist import log
-from ..optim.ema import ModelEma
-from .engine import StepSettings, evaluate
-from .guard import FiniteGuard
-from ..model.finetune import load_weights
-from ..observe.report import TimelineWindow
-from ..optim.build import LRSchedule
+from ..fault.watchdog import LivenessService, Peer, Watchdog
 from ..launch import host_malloc
 from ..launch.placement import place
+from ..model.finetune import load_weights
+from ..observe import tracking
 from ..observe.rank_logs import WarningTally, host_map
-from .run_folder import Claim, prepare_output_dir, sharing_note
-from ..checkpoint.identity import differences, listed, model_fit, refusal
-from .state import RunState
+from ..observe.report import TimelineWindow
 from ..observe.sysstats import StatsSampler
+from ..optim.build import LRSchedule
+from ..optim.ema import ModelEma
 from ..tasks import Task, build_task, metric_direction
-from ..fault.watchdog import LivenessService, Peer, Watchdog
+from .builders import (
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_peers,
+    build_scaler,
+    compression_for,
+    last_batch_note,
+    pick_device,
+    threads_per_rank,
+    wants_gpu,
+)
+from .engine import StepSettings, evaluate
+from .guard import FiniteGuard
+from .run_folder import Claim, prepare_output_dir, sharing_note
+from .state import RunState
 
 
 @dataclass

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
+from .. import outcome
 from ..checkpoint import io as checkpoint
 from ..comm import dist
-from .. import outcome
-from ..fault.audit import audit
-from ..config import to_dict
 from ..comm.dist import log
+from ..config import to_dict
+from ..fault.audit import audit
 from .guard import JobStopped
 from .run import Run, where
 from .stops import LostRank

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import re
 
-
-from ..comm import dist
 from .. import outcome
-from .guard import JobStopped
+from ..comm import dist
 from ..fault.watchdog import lost_message
+from .guard import JobStopped
 from .run import Run
 
 

@@ -49,14 +49,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..fault import attempts, signals
 from ..comm import dist
-from ..fault.bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from ..config import Config
 from ..data.sampler import ShardedSampler
-from .engine import Epoch
-from ..observe.metrics import MetricSums, last_epoch_records
+from ..fault import attempts, signals
+from ..fault.bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from ..fault.preemption import StopRequest
+from ..observe.metrics import MetricSums, last_epoch_records
+from .engine import Epoch
 from .outputs import Outputs, end_epoch, finish, stop_for_preemption
 from .run import Run, log, release, resume, setup
 from .save import audit_ranks, save_checkpoint

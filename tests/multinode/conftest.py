@@ -30,7 +30,8 @@ def two_nodes(tmp_path_factory) -> TwoNodes:
 def slurm_cluster(tmp_path_factory):
     """A running one-machine Slurm cluster (see slurm.SlurmCluster); skips with the reason where
     Slurm cannot run (not root, slurm-wlm/munge not installed)."""
-    from .slurm import SlurmCluster, unavailable_reason as slurm_unavailable
+    from .slurm import SlurmCluster
+    from .slurm import unavailable_reason as slurm_unavailable
 
     reason = slurm_unavailable()
     if reason:

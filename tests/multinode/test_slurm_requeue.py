@@ -147,7 +147,7 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
     assert "could not be requeued" not in text and "submit the same command" not in text, text
     assert_quiet(text)
     if script != "train.sbatch":  # the launcher's closing line: rank 0's, with the checkpoint it wrote
-        assert f"rank 0: stopped by SIG" in text and f"checkpoint saved to {run_dir}/checkpoints/" in text, text
+        assert "rank 0: stopped by SIG" in text and f"checkpoint saved to {run_dir}/checkpoints/" in text, text
     metrics = records(run_dir / "metrics.jsonl")
     val = [r for r in metrics if r["split"] == "val"]
     assert val[-1]["epoch"] == 2, val

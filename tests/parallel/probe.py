@@ -10,12 +10,14 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain.comm import dist, launcher_env as launcher
 from hvdtrain.api import run_training
 from hvdtrain.cli import train_parser
+from hvdtrain.comm import dist
+from hvdtrain.comm import launcher_env as launcher
 from hvdtrain.config import load_config
 from hvdtrain.model.build import unwrap_state_dict
 from hvdtrain.train.stops import Preempted
+
 
 def launcher_env() -> dict[str, str]:
     """The rank variables the launcher set (horovodrun, mpirun or srun)."""

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from hvdtrain.comm import dist
 from hvdtrain.api import run_training
 from hvdtrain.cli import train_parser
+from hvdtrain.comm import dist
 from hvdtrain.config import load_config
 from hvdtrain.model.build import unwrap_state_dict
 

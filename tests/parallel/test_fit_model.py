@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import BIN, JOB_TIMEOUT, REPO, assert_bitwise_equal, job_env, launch, read_metrics, stopped_by_sigterm
+from tests.helpers import (
+    BIN,
+    JOB_TIMEOUT,
+    REPO,
+    assert_bitwise_equal,
+    job_env,
+    launch,
+    read_metrics,
+    stopped_by_sigterm,
+)
 
 EXAMPLE = REPO / "examples" / "from_ddp"
 DDP, PORT = EXAMPLE / "ddp_digits.py", EXAMPLE / "hvdtrain_digits.py"

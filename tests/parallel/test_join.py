@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import horovod.torch as hvd
+import pytest
 import torch
 
 from hvdtrain.comm import dist

@@ -18,8 +18,7 @@ from tests.helpers import BIN, PROBE, job_env, launch, training_processes, wait_
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e .[ray] or make setup EXTRAS=ray)")
 
-from tests.parallel.ray_cluster import (ADDRESS, HEAD_IP, RENDEZVOUS_PORT, WORKER_IP, RayCluster,  # noqa: E402
-                                        can_bind)
+from tests.parallel.ray_cluster import ADDRESS, HEAD_IP, RENDEZVOUS_PORT, WORKER_IP, RayCluster, can_bind  # noqa: E402
 
 # The debug config for 3 epochs of 4 steps, a checkpoint every 3 steps: time to stop it mid-run.
 TRAIN = ["--config", "debug", "train.epochs=3", "checkpoint.every_steps=3"]

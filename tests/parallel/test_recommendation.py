@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (PROBE, assert_bitwise_equal, final_states, launch, rank_pids, start_job,
-                           wait_for_line)
+from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, rank_pids, start_job, wait_for_line
 
 USERS = 61  # leave_last_out: one validation rating (user) each; 61 = 3 x 20 + 1
 

@@ -28,7 +28,6 @@ from hvdtrain.data.shards.order import epoch_sequence
 from tests.helpers import BIN, DEBUG, PROBE, VANISHING, assert_bitwise_equal, final_states, job_env, launch
 
 
-
 def stopped_run(tmp_path: Path, args: list[str], path: Path, step: int) -> tuple[subprocess.CompletedProcess, str]:
     """The job under hvdtrain launch (its exit code is the ranks'), with ``path`` deleted after ``step``."""
     driver = tmp_path / "vanishing.py"

@@ -54,8 +54,8 @@ def warm_up() -> None:
     """Import what every job imports, and start Horovod with the settings a default run asks for; the
     jobs then find, in place of ``dist.init``, a check that they ask for nothing else."""
     import torch  # noqa: F401
-    import torchvision  # noqa: F401
     import torch._dynamo  # noqa: F401  (the optimizer step imports it)
+    import torchvision  # noqa: F401
 
     import hvdtrain.cli  # noqa: F401
     import hvdtrain.train.trainer  # noqa: F401

@@ -21,8 +21,8 @@ pytest.importorskip("nvidia.nvimgcodec", reason="the gpudecode extra (nvImageCod
 from hvdtrain.config import ConfigError, load_config  # noqa: E402
 from hvdtrain.data.image.device_decode import DeviceDecoder, EncodedBatch, Planned, plan_transforms  # noqa: E402
 from hvdtrain.data.image.folder import ImageFiles, collate  # noqa: E402
-from hvdtrain.data.sampler import SeededSamples  # noqa: E402
 from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_transform  # noqa: E402
+from hvdtrain.data.sampler import SeededSamples  # noqa: E402
 
 CPU = torch.device("cpu")
 

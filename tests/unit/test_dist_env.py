@@ -7,11 +7,10 @@ import os
 import pytest
 import torch
 
-from hvdtrain.train import builders
 from hvdtrain.comm import dist, horovod_env
 from hvdtrain.comm.buckets import gradient_buckets
-from hvdtrain.config import load_config
-from hvdtrain.config import ConfigError
+from hvdtrain.config import ConfigError, load_config
+from hvdtrain.train import builders
 
 
 def test_cpu_defaults_fill_only_unset_variables(monkeypatch):

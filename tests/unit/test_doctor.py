@@ -16,8 +16,16 @@ import pytest
 from hvdtrain.comm import launcher_env as launcher
 from hvdtrain.tools import allreduce, allreduce_slurm, doctor, process
 from hvdtrain.tools.allreduce import bus_bandwidth, print_bandwidth, reached, read_steps, stall_message
-from hvdtrain.tools.doctor import (DoctorError, Host, compare_hosts, interface_line, parse_hosts, parse_sizes,
-                                   pick_interface, read_hostfile)
+from hvdtrain.tools.doctor import (
+    DoctorError,
+    Host,
+    compare_hosts,
+    interface_line,
+    parse_hosts,
+    parse_sizes,
+    pick_interface,
+    read_hostfile,
+)
 from hvdtrain.tools.process import run_with_deadline
 
 

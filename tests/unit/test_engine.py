@@ -10,10 +10,10 @@ import torch
 
 from hvdtrain.comm import dist
 from hvdtrain.config import Config
-from hvdtrain.train.engine import StepSettings, evaluate, train_one_epoch
 from hvdtrain.optim.build import LRSchedule
-from hvdtrain.train.state import RunState
 from hvdtrain.tasks import Task
+from hvdtrain.train.engine import StepSettings, evaluate, train_one_epoch
+from hvdtrain.train.state import RunState
 
 LR = 0.05
 

@@ -61,7 +61,7 @@ def test_data_this_user_may_not_read_is_one_line(tmp_path, tiny_data, monkeypatc
     with pytest.raises(index.DataError) as refused:
         index.check_layout(tiny_data)
     line = str(refused.value)
-    assert line.startswith(f"data.dir: this user (") and f"cannot read '{closed}' (owned by " in line
+    assert line.startswith("data.dir: this user (") and f"cannot read '{closed}' (owned by " in line
     assert "ask its owner for read access" in line and "\n" not in line
     facts = doctor_checks.probe_facts(str(tiny_data), None)
     assert facts["data_dir"]["unreadable"] == line  # the doctor says the same

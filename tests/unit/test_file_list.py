@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hvdtrain.config import DataConfig
-from hvdtrain.data.files.index import FileIndex, SplitIndex, build_index, cache_file, compact
 from hvdtrain.data.files.file_list import Buffer, IntArray, PathArray, decode_index, encode_index, host_budget
+from hvdtrain.data.files.index import FileIndex, SplitIndex, build_index, cache_file, compact
 from hvdtrain.data.loaders import loader_kwargs, shutdown_workers
 
 NAMES = ["c0/a.JPEG", "c0/ünïcode é.jpg", "c1/sub/b.png", os.fsdecode(b"c1/\xff\xfe.JPEG"), "c1/" + "x" * 300, ""]

@@ -19,13 +19,20 @@ from PIL import Image
 from torchvision import models
 
 from hvdtrain.config import AugmentConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, load_config
-from hvdtrain.data.image.crops import CenterCrop, FlipOnly, PadCrop, TrainCrop
 from hvdtrain.data.demo import generate
 from hvdtrain.data.files.index import DataError
+from hvdtrain.data.image.crops import CenterCrop, FlipOnly, PadCrop, TrainCrop
 from hvdtrain.data.image.transforms import fast_train_transform
 from hvdtrain.model.build import classifier_name
-from hvdtrain.model.finetune import (WeightsError, apply_freeze, fit_weights, load_weights,
-                                     fetch_torchvision_weights, read_weights_file, torchvision_weights_file)
+from hvdtrain.model.finetune import (
+    WeightsError,
+    apply_freeze,
+    fetch_torchvision_weights,
+    fit_weights,
+    load_weights,
+    read_weights_file,
+    torchvision_weights_file,
+)
 from hvdtrain.optim.build import build_sgd, set_lr
 from hvdtrain.tasks.image_classification import file_datasets
 

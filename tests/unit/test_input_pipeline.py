@@ -18,15 +18,15 @@ import torch
 from PIL import Image
 from torchvision import datasets, transforms
 
-from hvdtrain.tools.bench_data import photo
 from hvdtrain.config import DataConfig
 from hvdtrain.data import DataError
-from hvdtrain.tasks.image_classification import file_datasets
-from hvdtrain.data.files.index import FORMAT, build_index, cache_file
 from hvdtrain.data.files.file_list import MAGIC, Buffer, read_header
-from hvdtrain.data.image.folder import BadFileError, CountingLoader, collate
-from hvdtrain.data.image.decode import BadImage
+from hvdtrain.data.files.index import FORMAT, build_index, cache_file
 from hvdtrain.data.image.crops import CenterCrop, TrainCrop, crop_params
+from hvdtrain.data.image.decode import BadImage
+from hvdtrain.data.image.folder import BadFileError, CountingLoader, collate
+from hvdtrain.tasks.image_classification import file_datasets
+from hvdtrain.tools.bench_data import photo
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 
 from horovod.runner import gloo_run
-from horovod.runner.common.util import codec, secret, settings as hvd_settings
+from horovod.runner.common.util import codec, secret
+from horovod.runner.common.util import settings as hvd_settings
 from horovod.runner.common.util.hosts import SlotInfo
 from horovod.runner.driver import driver_service
 

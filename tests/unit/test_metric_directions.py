@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from hvdtrain.config import ConfigError, load_config, target_value
-from hvdtrain.train.run import is_better, reaches, target_metric_name
 from hvdtrain.tasks import Task, metric_direction, metric_directions
 from hvdtrain.tasks.image_classification import ImageClassification
 from hvdtrain.tasks.recommendation.task import Recommendation
+from hvdtrain.train.run import is_better, reaches, target_metric_name
 
 
 class OldStyle(Task):

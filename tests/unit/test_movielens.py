@@ -14,11 +14,22 @@ import torch
 
 from hvdtrain.config import ConfigError, load_config
 from hvdtrain.data import DataError
-from hvdtrain.data.ratings.movielens import (find_ratings_file, generate_ratings, load_split, parse_ratings, split_mask,
-                                             write_ratings_csv)
 from hvdtrain.data.ratings.batches import ImplicitPairs, PairSet, RankedCandidates
-from hvdtrain.tasks.recommendation.task import (IdMap, Recommendation, ranking_sums, summarize_explicit,
-                                                summarize_implicit)
+from hvdtrain.data.ratings.movielens import (
+    find_ratings_file,
+    generate_ratings,
+    load_split,
+    parse_ratings,
+    split_mask,
+    write_ratings_csv,
+)
+from hvdtrain.tasks.recommendation.task import (
+    IdMap,
+    Recommendation,
+    ranking_sums,
+    summarize_explicit,
+    summarize_implicit,
+)
 
 # (user, item, rating, timestamp): user 7 rated three movies, user 3 two, user 12 one.
 ROWS = [(7, 50, 4.0, 300), (3, 50, 3.5, 100), (7, 10, 5.0, 900), (12, 10, 1.0, 50), (3, 99, 2.0, 400),

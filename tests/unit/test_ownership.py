@@ -12,8 +12,18 @@ from pathlib import Path
 import pytest
 
 from hvdtrain import ownership
-from hvdtrain.ownership import (GROUP, UMASK, UnsafePath, folder_problem, open_append, open_trusted, own_folder,
-                                private_group, trust_problem, write_atomic)
+from hvdtrain.ownership import (
+    GROUP,
+    UMASK,
+    UnsafePath,
+    folder_problem,
+    open_append,
+    open_trusted,
+    own_folder,
+    private_group,
+    trust_problem,
+    write_atomic,
+)
 from tests import users
 
 needs_users = pytest.mark.skipif(users.why_not() is not None, reason=str(users.why_not()))

@@ -19,11 +19,26 @@ import torch.nn.functional as F
 from PIL import Image, ImageFilter
 from torchvision import models, transforms
 
-from hvdtrain.config import (PACKAGED_CONFIGS, AugmentConfig, ConfigError, DataConfig, ModelConfig, OptimConfig,
-                             load_config, validates_after)
+from hvdtrain.config import (
+    PACKAGED_CONFIGS,
+    AugmentConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    load_config,
+    validates_after,
+)
 from hvdtrain.data.image.crops import CenterCrop
-from hvdtrain.data.image.policies import (TIMM_OPS, TimmRandAugment, apply_timm_op, pil_affine, policy_ops, strength,
-                                          timm_op_argument)
+from hvdtrain.data.image.policies import (
+    TIMM_OPS,
+    TimmRandAugment,
+    apply_timm_op,
+    pil_affine,
+    policy_ops,
+    strength,
+    timm_op_argument,
+)
 from hvdtrain.data.image.transforms import fast_eval_transform, val_resize_size
 from hvdtrain.model.build import BlurPoolConv2d, build_model
 from hvdtrain.optim.build import LRSchedule, build_optimizer, decay_exempt, lr_at, param_groups

@@ -11,8 +11,16 @@ import pytest
 from hvdtrain.observe import rank_logs
 from hvdtrain.observe.metrics import MetricsWriter
 from hvdtrain.observe.phases import straggler_line
-from hvdtrain.observe.rank_logs import (WarningTally, host_map, rank_ranges, read_records, split_record,
-                                        straggler_lines, summary_lines, write_host_map)
+from hvdtrain.observe.rank_logs import (
+    WarningTally,
+    host_map,
+    rank_ranges,
+    read_records,
+    split_record,
+    straggler_lines,
+    summary_lines,
+    write_host_map,
+)
 from hvdtrain.tools.report import load_records
 
 WORLD, PER_HOST = 512, 8

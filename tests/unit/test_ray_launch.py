@@ -10,8 +10,16 @@ import sys
 import pytest
 
 from hvdtrain.comm import launcher_env as launcher
-from hvdtrain.launch.ray import (Placement, RayLaunchError, assign_ranks, describe_exit, host_names, node_gpus,
-                                 parse_args, rank_env)
+from hvdtrain.launch.ray import (
+    Placement,
+    RayLaunchError,
+    assign_ranks,
+    describe_exit,
+    host_names,
+    node_gpus,
+    parse_args,
+    rank_env,
+)
 from tests.helpers import REPO
 
 

@@ -19,8 +19,8 @@ from hvdtrain.data.image.mixing import BatchMix, MixDraw, cutmix_draw
 from hvdtrain.data.image.policies import Augmented, policy_ops
 from hvdtrain.data.image.resolution import resolution_at
 from hvdtrain.data.sampler import SeededSamples
-from hvdtrain.optim.ema import ModelEma, ema_decay
 from hvdtrain.optim.build import LRSchedule, build_optimizer, lr_at
+from hvdtrain.optim.ema import ModelEma, ema_decay
 from hvdtrain.optim.lars_lamb import LAMB, LARS
 
 RECIPES = ["ffcv_rn50_16_epochs", "ffcv_rn50_32_epochs", "ffcv_rn50_88_epochs", "mlperf_lars_rn50",

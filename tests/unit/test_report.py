@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from hvdtrain.cli import main
 from hvdtrain.tools import report
 from hvdtrain.tools.bench import interval95
-from hvdtrain.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

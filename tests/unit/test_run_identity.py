@@ -1,7 +1,7 @@
 """Which differences between a checkpoint's config and this run's refuse a resume."""
 
-from hvdtrain.config import load_config, to_dict
 from hvdtrain.checkpoint.identity import differences, refusal
+from hvdtrain.config import load_config, to_dict
 
 
 def test_meaning_keys_refuse_and_the_rest_may_change():

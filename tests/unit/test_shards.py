@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from hvdtrain.config import Config
-from hvdtrain.data.shards import loader as shards
-from hvdtrain.data.shards import manifest as shard_manifest
-from hvdtrain.data.shards import order as shard_order
 from hvdtrain.data.demo import generate
 from hvdtrain.data.files.index import DataError, scan_split
 from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_transform
+from hvdtrain.data.shards import loader as shards
+from hvdtrain.data.shards import manifest as shard_manifest
+from hvdtrain.data.shards import order as shard_order
 from hvdtrain.tools.prepare import PrepareError, prepare
 from tests.helpers import REPO
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from hvdtrain.config import load_config
 from hvdtrain.launch import horovodrun as launch
 from hvdtrain.train import run_folder
-from hvdtrain.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "hostfiles" / "slurm"

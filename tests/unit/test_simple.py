@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import IterableDataset, TensorDataset
 
-from hvdtrain.train.builders import resolve_batch_size
 from hvdtrain.config import Config, ConfigError, OptimConfig, validate
 from hvdtrain.data.sampler import IndexedSamples, SeededSamples, sample_seed
 from hvdtrain.observe.metrics import last_epoch_records
 from hvdtrain.optim.build import LRSchedule, lr_at
 from hvdtrain.simple import DEFAULTS, ModelTask, optimizer_settings, short_path_config
 from hvdtrain.tasks import DataEnv, Task
+from hvdtrain.train.builders import resolve_batch_size
 
 
 def small_sets(train: int = 50, val: int = 11):
@@ -195,8 +195,8 @@ def test_a_finished_runs_metrics_are_read_back(tmp_path):
 
 
 def test_a_global_batch_resumes_on_another_number_of_ranks():
-    from hvdtrain.config import to_dict
     from hvdtrain.checkpoint.identity import differences
+    from hvdtrain.config import to_dict
 
     before = Config()
     before.train.global_batch_size, before.train.batch_size = 64, 32  # resolved at 2 ranks

@@ -14,8 +14,17 @@ import textwrap
 import pytest
 import yaml
 
-from hvdtrain.config import (MOVED_KEYS, Config, ConfigError, describe_keys, dump_yaml, from_dict, load_config, to_dict,
-                             validate)
+from hvdtrain.config import (
+    MOVED_KEYS,
+    Config,
+    ConfigError,
+    describe_keys,
+    dump_yaml,
+    from_dict,
+    load_config,
+    to_dict,
+    validate,
+)
 from hvdtrain.config.root import CORE_SECTIONS
 from hvdtrain.tasks import registry
 from tests.helpers import REPO

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from hvdtrain.observe import tracking, tracking_sender
 from hvdtrain.config import ConfigError, load_config
+from hvdtrain.observe import tracking, tracking_sender
 from hvdtrain.observe.metrics import MetricSums
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from hvdtrain import cli
-from hvdtrain.observe import tracking
 from hvdtrain.checkpoint.io import CheckpointSaver
 from hvdtrain.config import dump_yaml, load_config, to_dict
+from hvdtrain.observe import tracking
 from hvdtrain.redact import mask_text, mask_values
 
 PASSWORD = "s3cret-Pa55"

@@ -12,15 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdtrain.fault.bad_data import BadFilesLog, DataGuard
 from hvdtrain.config import ConfigError, DataConfig, load_config
-from hvdtrain.data.files.bad_files import (BadFile, EpochTally, allowed_failures, as_bad_file, combine, over_limit,
-                                           summarize, vanished_classes)
 from hvdtrain.data.demo import generate
+from hvdtrain.data.files.bad_files import (
+    BadFile,
+    EpochTally,
+    allowed_failures,
+    as_bad_file,
+    combine,
+    over_limit,
+    summarize,
+    vanished_classes,
+)
 from hvdtrain.data.files.index import DataError, build_index
 from hvdtrain.data.image.folder import MAX_REPLACEMENTS, CountingLoader, ImageFiles, collate
-from hvdtrain.data.shards.manifest import FORMAT, read_manifest
 from hvdtrain.data.image.transforms import fast_train_transform
+from hvdtrain.data.shards.manifest import FORMAT, read_manifest
+from hvdtrain.fault.bad_data import BadFilesLog, DataGuard
 from hvdtrain.train.engine import DeviceBatches
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
 from .decode import DEFAULT_MAX_PIXELS, Box, Transform, decode, decode_with_pillow, image_size
 from .resolution import RESOLUTION
-
 
 SCALE = (0.08, 1.0)
 

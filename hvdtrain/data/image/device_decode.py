@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from ...config import AugmentConfig, ConfigError, DataConfig, float_pair
-from .decode import BadImage, Box, decode, image_size
-from .crops import CenterCrop, TrainCrop, center_crop_box, crop_resize
 from ..files.bad_files import BadFileError
+from .crops import CenterCrop, TrainCrop, center_crop_box, crop_resize
+from .decode import BadImage, Box, decode, image_size
 
 INSTALL = "make setup EXTRAS=gpudecode (or pip install 'hvdtrain[gpudecode]')"
 DECODERS = ("cpu", "nvimgcodec", "auto")

@@ -12,8 +12,8 @@ import math
 import torch
 
 from ...config import AugmentConfig, DataConfig, float_pair
-from .decode import IMAGENET_MEAN, IMAGENET_STD, Transform
 from .crops import CenterCrop, FlipOnly, PadCrop, TrainCrop
+from .decode import IMAGENET_MEAN, IMAGENET_STD, Transform
 from .policies import Augmented, policy_ops
 
 

@@ -52,11 +52,11 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..image.decode import BadImage, Transform
-from ..image.resolution import RESOLUTION
-from ..files.index import DataError
 from ..files.bad_files import BadFile, BadFileError
+from ..files.index import DataError
+from ..image.decode import BadImage, Transform
 from ..image.folder import collate
+from ..image.resolution import RESOLUTION
 from ..sampler import sample_seed
 from .manifest import Manifest, Split
 from .order import Segment, buffer_order, part_seed, remaining_sequence, worker_parts

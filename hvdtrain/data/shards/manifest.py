@@ -18,7 +18,6 @@ import numpy as np
 
 from ..files.index import DamagedData, DataError
 
-
 MANIFEST = "manifest.json"
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from ..sampler import sample_seed
-
 from .manifest import Split
 
 

@@ -32,7 +32,6 @@ from ..files.bad_files import BadFile, os_error_reason
 from .manifest import IMAGE_EXTENSIONS, Split, join, open_binary
 from .tar import TarError, TarReader
 
-
 # A record's label: its ``.cls`` member, ASCII digits. Missing, it is NO_LABEL; not a number, BAD_LABEL;
 # either way (and past the manifest's classes) the record is a bad file (loader.ShardStream.decode).
 NO_LABEL, BAD_LABEL = -1, -2

@@ -27,13 +27,13 @@ from ...config import Config
 from ...data import DataError
 from ...data.demo import cache_root
 from ...data.loaders import Loaders
-from ...data.ratings.movielens import GENERATED_VERSION, Split, ensure_generated_dataset, load_split
 from ...data.ratings.batches import ExplicitRatings, ImplicitPairs, PairSet, RankedCandidates, SampledBatches
+from ...data.ratings.movielens import GENERATED_VERSION, Split, ensure_generated_dataset, load_split
 from ...data.sampler import ShardedSampler
 from ...ownership import PRIVATE, folder_problem, replace_file
 from ..base import DataEnv, Task
-from .settings import RecommendationSettings
 from .models import NCF, MatrixFactorization, parse_layers
+from .settings import RecommendationSettings
 
 EXPLICIT_FIELDS = ("loss_sum", "squared_error", "absolute_error", "baseline_squared_error",
                    "baseline_absolute_error", "count")
