@@ -4,8 +4,9 @@ Precedence is defaults < YAML file < ``key=value`` overrides. Every field has a 
 docstring-like comment; unknown keys and badly typed values stop with one line that names the
 key and what would have been valid.
 
-- sections.py  the core sections (model, data, augment, train, optim, dist, amp, runtime, output,
-               checkpoint, elastic, tracking, ema, eval), one dataclass each
+- sections.py  the core sections about what is trained (model, data, augment, train, optim, amp,
+               ema, eval), one dataclass each
+- run_sections.py  those about how a job runs (dist, runtime, output, checkpoint, elastic, tracking)
 - root.py      ``Config``: the core sections, plus the task's own section (``Task.settings``,
                e.g. ``recommendation.embedding_dim``), and the keys that moved there
 - files.py     config files: shipped names, bounded safe YAML
@@ -29,24 +30,17 @@ from .load import (
     validate,
 )
 from .root import MOVED_KEYS, Config, config_type, task_section
-from .sections import (
-    AmpConfig,
-    AugmentConfig,
+from .run_sections import (
     CheckpointConfig,
-    DataConfig,
     DistConfig,
     ElasticConfig,
-    EmaConfig,
-    EvalConfig,
     MlflowConfig,
-    ModelConfig,
-    OptimConfig,
     OutputConfig,
     RuntimeConfig,
     TrackingConfig,
-    TrainConfig,
     WandbConfig,
 )
+from .sections import AmpConfig, AugmentConfig, DataConfig, EmaConfig, EvalConfig, ModelConfig, OptimConfig, TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "apply_override", "apply_mapping", "from_dict", "to_dict",
            "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range", "target_value",

@@ -1,8 +1,8 @@
 """Building a config: defaults < YAML file < ``key=value`` overrides, then the task's own section.
 
-A config is built in two steps. The core sections (config/sections.py) take their keys at once;
-keys of any other top-level section wait, because which section is valid depends on the task, and
-the task may be named last (``task=`` on the command line, or by the caller of ``evaluate``). Then
+A config is built in two steps. The core sections (config/sections.py, run_sections.py) take their
+keys at once; keys of any other top-level section wait, because which section is valid depends on
+the task, and the task may be named last (``task=`` on the command line, or by the caller of ``evaluate``). Then
 ``validate`` mounts the task's section (``Task.settings`` under the task's ``name``: tasks/registry.py
 says which class a ``task`` value names), sets the waiting keys on it, and checks the core sections
 and the task's. A key in no section stops with one line that names the valid keys.

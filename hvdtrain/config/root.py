@@ -16,22 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .keys import ConfigError, set_key
-from .sections import (
-    AmpConfig,
-    AugmentConfig,
-    CheckpointConfig,
-    DataConfig,
-    DistConfig,
-    ElasticConfig,
-    EmaConfig,
-    EvalConfig,
-    ModelConfig,
-    OptimConfig,
-    OutputConfig,
-    RuntimeConfig,
-    TrackingConfig,
-    TrainConfig,
-)
+from .run_sections import CheckpointConfig, DistConfig, ElasticConfig, OutputConfig, RuntimeConfig, TrackingConfig
+from .sections import AmpConfig, AugmentConfig, DataConfig, EmaConfig, EvalConfig, ModelConfig, OptimConfig, TrainConfig
 
 # Keys that moved from a core section into a task's own (issue 31): the old key -> the new one. A
 # config file or override that uses an old key stops with one line naming the new one; a config
