@@ -32,7 +32,8 @@ decoding). Then, each in a fresh process:
     python benchmarks/data_scale.py --sizes 1.28M,14.2M --sampler-only --runs 3   # the sampler rows alone
     git show HEAD~1:hvdtrain/data/sampler.py > /tmp/sampler_before.py             # ... against an older sampler,
     python benchmarks/data_scale.py --sizes 14.2M --sampler-only --sampler-before /tmp/sampler_before.py  # alternated
-    python benchmarks/data_scale.py --sizes 1.28M,14.2M --first-epoch --workers 4,8 --runs 4   # the first epoch's draw in training
+    # the first epoch's draw in training
+    python benchmarks/data_scale.py --sizes 1.28M,14.2M --first-epoch --workers 4,8 --runs 4
 
 Prints a table and, per row, ``data_scale: {json}``; ``--json FILE`` writes all rows. Timings are
 given as min-max over ``--runs`` runs. Needs free memory for the folder's inodes (about 1 GB at
@@ -267,7 +268,8 @@ def measure_size(n: int, args: argparse.Namespace, work: Path) -> list[dict]:
     else:
         build_folder(root, n)
     built_s = time.perf_counter() - start
-    common = ["--root", str(root), "--work", str(work), "--ranks", str(args.ranks)] + (["--synthetic"] if synthetic else [])
+    common = (["--root", str(root), "--work", str(work), "--ranks", str(args.ranks)]
+              + (["--synthetic"] if synthetic else []))
     index = run_child("index", args, common + ["--cache", str(cache)] + (["--no-scan"] if synthetic else []))
     loads = list(index["load_s"])
     bcast: dict[str, list[float]] = {"mapped": [], "sent": []}
@@ -289,7 +291,8 @@ def measure_size(n: int, args: argparse.Namespace, work: Path) -> list[dict]:
     rows = []
     for workers in args.workers if n <= args.loader_max else [None]:
         row = {"n": n, "workers": workers, "synthetic": synthetic, "files": index["files"],
-               "val_files": index["val_files"], "build_s": built_s, "scan_s": index.get("scan_s"), "cache_write_s": write_s,
+               "val_files": index["val_files"], "build_s": built_s, "scan_s": index.get("scan_s"),
+               "cache_write_s": write_s,
                "cache_bytes": index["cache_bytes"], "load_s": loads, "broadcast_mapped_s": bcast["mapped"],
                "broadcast_sent_s": bcast["sent"], "sampler_start_s": [s for r in samplers for s in r["start_s"]],
                "sampler_added": [a for r in samplers for a in r["added"]], "sampler_drawn": samplers[-1]["drawn"],
@@ -319,9 +322,10 @@ def measure_size(n: int, args: argparse.Namespace, work: Path) -> list[dict]:
     return rows
 
 
-COLUMNS = ["N", "workers", "PSS peak MiB", "own PSS MiB", "list PSS MiB", "per worker MiB", "marginal MiB", "worker private MiB", "scan s", "cache MB", "load s",
-           "bcast mapped s", "bcast sent s", "loader iter s", "first batch s", "sampler draw s", "sampler first start s",
-           "sampler next start s", "sampler MiB at start", "sampler peak MiB"]
+COLUMNS = ["N", "workers", "PSS peak MiB", "own PSS MiB", "list PSS MiB", "per worker MiB", "marginal MiB",
+           "worker private MiB", "scan s", "cache MB", "load s", "bcast mapped s", "bcast sent s", "loader iter s",
+           "first batch s", "sampler draw s", "sampler first start s", "sampler next start s", "sampler MiB at start",
+           "sampler peak MiB"]
 
 
 def cells(row: dict) -> list[str]:
@@ -331,8 +335,11 @@ def cells(row: dict) -> list[str]:
             return "-"
         return span(value if isinstance(value, list) else [value], scale, digits)
 
-    return [f"{row['n']:,}" + (" (synthetic)" if row["synthetic"] else "") + (f" ({row['version']})" if row.get("version") else ""), "-" if row["workers"] is None else str(row["workers"]),
-            opt("pss_peak", 1 / MIB, 0), opt("own", 1 / MIB, 0), opt("list", 1 / MIB, 1), opt("per_worker", 1 / MIB, 1), opt("marginal", 1 / MIB, 1), opt("worker_private", 1 / MIB, 1),
+    name = (f"{row['n']:,}" + (" (synthetic)" if row["synthetic"] else "")
+            + (f" ({row['version']})" if row.get("version") else ""))
+    return [name, "-" if row["workers"] is None else str(row["workers"]),
+            opt("pss_peak", 1 / MIB, 0), opt("own", 1 / MIB, 0), opt("list", 1 / MIB, 1), opt("per_worker", 1 / MIB, 1),
+            opt("marginal", 1 / MIB, 1), opt("worker_private", 1 / MIB, 1),
             opt("scan_s"), opt("cache_bytes", 1e-6, 1), opt("load_s", 1, 3), opt("broadcast_mapped_s"),
             opt("broadcast_sent_s"), opt("loader_iter_s"), opt("first_batch_s"), opt("sampler_draw_s", 1, 3),
             opt("sampler_first_start_s", 1, 3), opt("sampler_next_start_s", 1, 3), opt("sampler_added", 1 / MIB, 0),

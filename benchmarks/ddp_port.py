@@ -40,10 +40,11 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, list[str]]:
     return {
         "ddp": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(EXAMPLE / "ddp_digits.py"),
                 *common, "--snapshot", str(folder / "snapshot.pt")],
-        "hvdtrain": [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", f"--{args.controller}", str(BIN / "python"),
-                     str(EXAMPLE / "hvdtrain_digits.py"), *common, "--out", str(folder / "run")],
-        "own-loop": [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", f"--{args.controller}", str(BIN / "python"),
-                     str(EXAMPLE / "own_loop_digits.py"), *common, "--snapshot", str(folder / "snapshot.pt")],
+        "hvdtrain": [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", f"--{args.controller}",
+                     str(BIN / "python"), str(EXAMPLE / "hvdtrain_digits.py"), *common, "--out", str(folder / "run")],
+        "own-loop": [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", f"--{args.controller}",
+                     str(BIN / "python"), str(EXAMPLE / "own_loop_digits.py"), *common, "--snapshot",
+                     str(folder / "snapshot.pt")],
     }
 
 
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     median = {name: statistics.median(r["seconds"] for r in results) for name, results in runs.items()}
     ratios = {name: sorted(mine["seconds"] / ddp["seconds"] for mine, ddp in zip(runs[name], runs["ddp"]))
               for name in names[1:]}
-    summary = {"pairs": args.pairs, "epochs": args.epochs, "global_batch": args.batch_size, "controller": args.controller,
-               "load_average": os.getloadavg(), "median_seconds": median,
+    summary = {"pairs": args.pairs, "epochs": args.epochs, "global_batch": args.batch_size,
+               "controller": args.controller, "load_average": os.getloadavg(), "median_seconds": median,
                "ratio_of_medians": {name: median[name] / median["ddp"] for name in names[1:]},
                "pair_ratios": ratios, "runs": runs}
     print("median wall time: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in median.items()))

@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1, help="loader workers per process, both sides")
-    parser.add_argument("--work", type=Path, default=None, help="folder for the data and the runs (default: a temporary one)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="folder for the data and the runs (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None, help="write the curves and the summary here too")
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="pytorch-examples-parity-"))

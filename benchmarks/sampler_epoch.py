@@ -135,7 +135,8 @@ def measure_first_epoch(n: int, args: argparse.Namespace, run_child: Callable[..
             order = ["at set_epoch", "before"] if run % 2 == 0 else ["before", "at set_epoch"]
             for case in order:
                 extra = ["--ranks", str(args.ranks), "--files", str(n), "--workers", str(workers), "--batch",
-                         str(args.batch), "--batches", str(args.batches)] + (["--drawn-before"] if case == "before" else [])
+                         str(args.batch), "--batches", str(args.batches)]
+                extra += ["--drawn-before"] if case == "before" else []
                 runs[case].append(run_child("first-epoch", args, extra))
         ahead, control = runs["at set_epoch"], runs["before"]
         rows.append({"n": n, "workers": workers, "synthetic": False, "files": n,

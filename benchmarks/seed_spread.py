@@ -94,7 +94,8 @@ def summary(runs: list[dict], args: argparse.Namespace) -> tuple[str, bool]:
     ok = not failed and low >= args.min and high - low <= args.max_spread
     line = (f"{args.config}: final val {args.metric} over {len(finals)} runs: min {low:.2f}, median {mid:.2f}, "
             f"max {high:.2f}, spread {high - low:.2f} (targets: every run >= {args.min:g}, spread <= "
-            f"{args.max_spread:g}: {'met' if ok else 'NOT met'})" + (f"; {len(failed)} run(s) failed" if failed else ""))
+            f"{args.max_spread:g}: {'met' if ok else 'NOT met'})"
+            + (f"; {len(failed)} run(s) failed" if failed else ""))
     return line, ok
 
 

@@ -116,8 +116,8 @@ def child(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     if rank == 0:
         agreements = sent[0] if agree is not None else 0  # sent by rank 0, as by every rank
-        print(f"RESULT {json.dumps({'ms_per_step': 1000 * seconds / args.steps, 'steps': args.steps, 'agreements': agreements})}",
-              flush=True)
+        result = {"ms_per_step": 1000 * seconds / args.steps, "steps": args.steps, "agreements": agreements}
+        print(f"RESULT {json.dumps(result)}", flush=True)
 
 
 def run_one(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = [name for name in args.contenders.split(",") if name]
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown or "none" not in names:
-        raise SystemExit(f"--contenders: {', '.join(unknown) or 'none is missing'}; choose among {', '.join(CONTENDERS)} "
-                         "(none is the baseline of the ratios)")
+        raise SystemExit(f"--contenders: {', '.join(unknown) or 'none is missing'}; choose among "
+                         f"{', '.join(CONTENDERS)} (none is the baseline of the ratios)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     runs: dict[str, list[dict]] = {name: [] for name in names}
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name in order:
             runs[name].append(run_one(name, args, env))
         print(f"round {index + 1}: " + ", ".join(
-            f"{name} {runs[name][-1]['ms_per_step']:.2f} ms ({runs[name][-1]['agreements']} agreements)" for name in names),
+            f"{name} {runs[name][-1]['ms_per_step']:.2f} ms ({runs[name][-1]['agreements']} agreements)"
+            for name in names),
             flush=True)
     medians = {name: statistics.median(run["ms_per_step"] for run in runs[name]) for name in names}
     ratios = {name: [run["ms_per_step"] / base["ms_per_step"] for run, base in zip(runs[name], runs["none"])]

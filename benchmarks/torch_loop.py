@@ -96,7 +96,8 @@ def main() -> None:
     total = args.steps * args.batch_size * world / seconds
     if rank == 0:
         print(f"torch_loop: {args.arch} {args.image_size}px, batch {args.batch_size}/rank x {world} ranks "
-              f"({'DDP' if distributed else 'Horovod' if hvd else 'one process'}), {device.type}, {args.threads} threads/rank")
+              f"({'DDP' if distributed else 'Horovod' if hvd else 'one process'}), {device.type}, "
+              f"{args.threads} threads/rank")
         print(f"images_per_sec={total:.2f}", flush=True)
         if args.json:
             with open(args.json, "w") as handle:

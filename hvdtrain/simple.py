@@ -175,8 +175,9 @@ class ModelTask(Task):
 
     def to_device(self, batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            count = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
             raise ConfigError(f"fit_model: a dataset item must be (input, target); a batch came as "
-                              f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+                              f"{type(batch).__name__}{count}")
         inputs, targets = batch
         return to_device(inputs, device, dtype), to_device(targets, device, dtype)
 

@@ -54,7 +54,8 @@ def launch_command(kind: str, np_: int, program: list[str]) -> list[str]:
 
 
 def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,
-           check: bool = True, env: dict[str, str] | None = None, own_launch: bool = False) -> subprocess.CompletedProcess:
+           check: bool = True, env: dict[str, str] | None = None,
+           own_launch: bool = False) -> subprocess.CompletedProcess:
     """Run ``program`` (argv after the interpreter) on ``np_`` ranks of a ``kind`` launcher; ``env``
     adds variables to the job's environment. The job runs on the shared ranks of that launcher
     (tests/shared_ranks) where they can stand for a fresh launch; ``own_launch`` launches it for real

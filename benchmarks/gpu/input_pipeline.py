@@ -17,8 +17,9 @@ own CPU sampling during the epoch, training process plus loader workers; for the
 bench, the whole run's CPU time over its wall time); then the runs as JSON.
 
     python benchmarks/gpu/input_pipeline.py --out gpu-results                  # one H100: ResNet-50, AMP, batch 256
+    # the same plumbing on a CPU (tests)
     python benchmarks/gpu/input_pipeline.py --device cpu --arch resnet18 --image-size 32 --batch-size 8 \\
-        --images 64 --unique 8 --workers 1 --steps 4 --warmup-steps 1 --out /tmp/x   # the same plumbing on a CPU (tests)
+        --images 64 --unique 8 --workers 1 --steps 4 --warmup-steps 1 --out /tmp/x
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class Utilization:
         self.samples: list[float] = []
         self.process = None
         if shutil.which("nvidia-smi"):
-            self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                             "-lms", "200"], stdout=subprocess.PIPE, text=True)
+            self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu",
+                                             "--format=csv,noheader,nounits", "-lms", "200"],
+                                            stdout=subprocess.PIPE, text=True)
             self.thread = threading.Thread(target=self.read, daemon=True)
             self.thread.start()
 
@@ -162,7 +164,8 @@ def main() -> int:
             str(args.batch_size), "--image-size", str(args.image_size), "--warmup-steps", str(args.warmup_steps),
             "--steps", str(args.steps), "--json", str(out / "raw.json")] + (["--amp", "--channels-last"] if gpu else [])
     bench = [python, "-m", "hvdtrain", "bench", "--warmup-steps", str(args.warmup_steps), "--steps", str(args.steps),
-             "--repeats", "1", "--json", str(out / "bench.json")] + [c for c in common if not c.startswith(("checkpoint", "output", "train.epochs"))]
+             "--repeats", "1", "--json", str(out / "bench.json")]
+    bench += [c for c in common if not c.startswith(("checkpoint", "output", "train.epochs"))]
     contenders: list[tuple[str, list[str], Path | None]] = [("raw loop, synthetic", loop, None),
                                                              ("hvdtrain bench, synthetic", bench, None)]
     synthetic = out / "run-synthetic"
@@ -196,7 +199,8 @@ def main() -> int:
         print(f"{name}: " + (f"{result['images_per_sec']:.1f} img/s" if "images_per_sec" in result else
                              f"FAILED (exit {result['exit']})\n{result.get('log', '')}"), flush=True)
     raw = results[0].get("images_per_sec") or float("nan")
-    print(f"\n{'contender':<42} {'img/s':>8} {'of raw':>7} {'GPU util':>9} {'cores busy':>10} {'cores to feed raw':>17}")
+    print(f"\n{'contender':<42} {'img/s':>8} {'of raw':>7} {'GPU util':>9} {'cores busy':>10} "
+          f"{'cores to feed raw':>17}")
     for result in results:
         if "images_per_sec" not in result:
             print(f"{result['name']:<42} failed")
@@ -211,7 +215,8 @@ def main() -> int:
     for result in results:
         result.pop("output", None)
     (out / "input_pipeline.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"input_pipeline: {len(results)} runs in {time.perf_counter() - started:.0f} s; {out / 'input_pipeline.json'}")
+    print(f"input_pipeline: {len(results)} runs in {time.perf_counter() - started:.0f} s; "
+          f"{out / 'input_pipeline.json'}")
     print(json.dumps([{k: r.get(k) for k in ("name", "images_per_sec", "steps", "samples", "exit")} for r in results]))
     return 0 if all(r["exit"] == 0 for r in results) else 1
 

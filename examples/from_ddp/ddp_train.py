@@ -112,7 +112,8 @@ def load_train_objs(total_steps, lr):
     torch.manual_seed(0)  # the same initial model on every rank (DDP would broadcast rank 0's anyway)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / total_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / total_steps)))
     return train_set, model, optimizer, scheduler
 
 

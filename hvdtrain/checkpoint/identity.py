@@ -86,7 +86,8 @@ def model_fit(stored: dict[str, torch.Tensor], model: torch.nn.Module, source: s
               if key in stored and hasattr(stored[key], "shape") and stored[key].shape != current[key].shape]
     if not (missing or unexpected or shapes):
         return None
-    parts = [f"{len(shapes)} tensor(s) of another shape (checkpoint vs model), e.g. {', '.join(shapes[:2])}"] if shapes else []
+    parts = ([f"{len(shapes)} tensor(s) of another shape (checkpoint vs model), e.g. {', '.join(shapes[:2])}"]
+             if shapes else [])
     parts += [f"{len(missing)} missing, e.g. {', '.join(missing[:2])}"] if missing else []
     parts += [f"{len(unexpected)} unknown to this model, e.g. {', '.join(unexpected[:2])}"] if unexpected else []
     return f"checkpoint {source} does not fit this model: {'; '.join(parts)}; is it another architecture's?"

@@ -43,9 +43,9 @@ from .run_sections import (
 from .sections import AmpConfig, AugmentConfig, DataConfig, EmaConfig, EvalConfig, ModelConfig, OptimConfig, TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "apply_override", "apply_mapping", "from_dict", "to_dict",
-           "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range", "target_value",
-           "validates_after", "PACKAGED_CONFIGS", "UPPER_BOUNDS", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH",
-           "MOVED_KEYS", "config_type", "task_section", "migrate_moved_keys", "read_config_file",
+           "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range",
+           "target_value", "validates_after", "PACKAGED_CONFIGS", "UPPER_BOUNDS", "MAX_CONFIG_BYTES",
+           "MAX_CONFIG_DEPTH", "MOVED_KEYS", "config_type", "task_section", "migrate_moved_keys", "read_config_file",
            "resolve_config_path", "AmpConfig", "AugmentConfig", "CheckpointConfig", "DataConfig", "DistConfig",
            "ElasticConfig", "EmaConfig", "EvalConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RuntimeConfig",
            "TrackingConfig", "TrainConfig", "WandbConfig", "MlflowConfig"]

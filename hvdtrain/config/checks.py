@@ -61,9 +61,10 @@ def check_core(cfg: Config) -> None:
                           "worker would wait alone in the grouped optimizer's broadcast): leave dist.bucket_mb at -1 "
                           "(auto) or 0")
     if cfg.checkpoint.every_steps and cfg.elastic.enabled:
-        raise ConfigError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} cannot be used with elastic.enabled=true "
-                          "(elastic runs commit their state in memory every elastic.commit_every_steps steps and "
-                          "checkpoint at each epoch end): set checkpoint.every_steps=0")
+        raise ConfigError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} cannot be used with "
+                          "elastic.enabled=true (elastic runs commit their state in memory every "
+                          "elastic.commit_every_steps steps and checkpoint at each epoch end): set "
+                          "checkpoint.every_steps=0")
     if cfg.runtime.cpu_affinity == "rank" and cfg.elastic.enabled:
         raise ConfigError("runtime.cpu_affinity=rank cannot be used with elastic.enabled=true (the ranks on a host "
                           "change as workers come and go): leave it at auto or none")
@@ -96,7 +97,8 @@ def check_core(cfg: Config) -> None:
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
         raise ConfigError("config key 'runtime.timeline_steps' needs runtime.timeline=PATH (the file to write)")
     if cfg.runtime.preemption_poll_seconds <= 0:
-        raise ConfigError(f"config key 'runtime.preemption_poll_seconds' must be positive, got {cfg.runtime.preemption_poll_seconds}")
+        raise ConfigError("config key 'runtime.preemption_poll_seconds' must be positive, "
+                          f"got {cfg.runtime.preemption_poll_seconds}")
     if cfg.runtime.preemption_notice_url and cfg.runtime.preemption_notice == "none":
         raise ConfigError("config key 'runtime.preemption_notice_url' is set but runtime.preemption_notice=none: "
                           "name the cloud (aws, azure or gcp)")
@@ -247,8 +249,9 @@ def validate_recipes(cfg: Config) -> None:
         if not 0 <= getattr(augment, key) <= 1:
             raise ConfigError(f"config key 'augment.{key}' is a probability in [0, 1], got {getattr(augment, key)}")
     if not 0 <= augment.magnitude < augment.magnitude_bins or augment.num_ops < 1:
-        raise ConfigError(f"config keys 'augment.magnitude' ({augment.magnitude}) must be in [0, augment.magnitude_bins "
-                          f"({augment.magnitude_bins})) and augment.num_ops ({augment.num_ops}) >= 1")
+        raise ConfigError(f"config keys 'augment.magnitude' ({augment.magnitude}) must be in "
+                          f"[0, augment.magnitude_bins ({augment.magnitude_bins})) and augment.num_ops "
+                          f"({augment.num_ops}) >= 1")
     if not 0 <= ema.decay < 1:
         raise ConfigError(f"config key 'ema.decay' must be in [0, 1) (0 = off; e.g. 0.9998), got {ema.decay}")
     if ema.every_steps < 1 or ema.warmup_gamma <= 0 or ema.warmup_power <= 0:

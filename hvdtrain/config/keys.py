@@ -118,7 +118,8 @@ def set_key(cfg: Any, dotted: str, value: Any, from_text: bool, wait: bool = Tru
         if dataclasses.is_dataclass(tp):
             if last:
                 if not isinstance(value, dict):
-                    raise ConfigError(f"config key '{dotted}' is a section; set its keys ({', '.join(sorted(field_types(tp)))})")
+                    keys = ", ".join(sorted(field_types(tp)))
+                    raise ConfigError(f"config key '{dotted}' is a section; set its keys ({keys})")
                 for sub_key, sub_value in value.items():
                     set_key(cfg, f"{dotted}.{sub_key}", sub_value, from_text, wait)
                 return

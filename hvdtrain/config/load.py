@@ -153,7 +153,8 @@ def describe_keys(with_tasks: bool = True) -> list[tuple[str, str, Any, str]]:
         body = tree.body[0].body  # type: ignore[attr-defined]
         found = {}
         for node, after in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            documented = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and documented:
                 found[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
         return found
 

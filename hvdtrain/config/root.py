@@ -33,7 +33,8 @@ MOVED_KEYS = {
 @dataclass
 class Config:
     task: str = "image_classification"
-    """The workload (hvdtrain/tasks): image_classification, recommendation, or your own task as module:Class or path/to/file.py:Class (docs/tasks.md)."""
+    """The workload (hvdtrain/tasks): image_classification, recommendation, or your own task as module:Class or
+    path/to/file.py:Class (docs/tasks.md)."""
     seed: int = 0
     """Seeds model initialization and the per-epoch shuffle (seed + epoch)."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -19,17 +19,22 @@ class DistConfig:
     op: Literal["average", "adasum"] = "average"
     """Gradient reduction."""
     timeout_seconds: int = 45
-    """Stop the job, naming the lost rank, when no training step completes for this long; also end a rank that makes no progress for this long after a stop signal (stuck where the stop is never agreed, exit 75); 0 = never."""
+    """Stop the job, naming the lost rank, when no training step completes for this long; also end a rank that makes no
+    progress for this long after a stop signal (stuck where the stop is never agreed, exit 75); 0 = never."""
     straggler_threshold: float = 0.15
-    """Name a rank whose busy time per step (data + compute + optimizer) exceeds the median rank's by more than this; 0 = off."""
+    """Name a rank whose busy time per step (data + compute + optimizer) exceeds the median rank's by more than this; 0
+    = off."""
     stall_warning_seconds: int = 60
-    """Horovod's stall inspector: warn when some ranks have not submitted a tensor the others wait on for this long; 0 = off."""
+    """Horovod's stall inspector: warn when some ranks have not submitted a tensor the others wait on for this long; 0 =
+    off."""
     stall_shutdown_seconds: int = 0
     """Horovod's stall inspector: shut the job down after a stall this long (above stall_warning_seconds); 0 = never."""
     sparse_as_dense: bool = False
-    """Convert sparse gradients (model.sparse_embeddings) to dense before the allreduce; false = Horovod's sparse allgather."""
+    """Convert sparse gradients (model.sparse_embeddings) to dense before the allreduce; false = Horovod's sparse
+    allgather."""
     bucket_mb: float = -1
-    """Allreduce gradients in groups of about this many MB, in backward order, like DDP's buckets; 0 = each Horovod cycle fuses what is ready; -1 = auto: 25 on CPU, 0 on GPU, in elastic runs and with sparse embeddings."""
+    """Allreduce gradients in groups of about this many MB, in backward order, like DDP's buckets; 0 = each Horovod
+    cycle fuses what is ready; -1 = auto: 25 on CPU, 0 on GPU, in elastic runs and with sparse embeddings."""
 
 
 @dataclass
@@ -37,19 +42,30 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = CUDA when available, pinned by Horovod local rank."""
     threads: int = 0
-    """torch intra-op threads per rank; 0 = the job's CPUs per task (SLURM_CPUS_PER_TASK), else the rank's own cores or its affinity mask, else OMP_NUM_THREADS, else the host's cores divided by its ranks (the start-up line says which)."""
+    """torch intra-op threads per rank; 0 = the job's CPUs per task (SLURM_CPUS_PER_TASK), else the rank's own cores
+    or its affinity mask, else OMP_NUM_THREADS, else the host's cores divided by its ranks (the start-up line says
+    which)."""
     cpu_affinity: Literal["auto", "rank", "none"] = "auto"
-    """rank = each rank's threads (and loader workers) bound to its own block of the cores its host's ranks were started on (those no other job's processes are bound to, if enough remain); none = where the launcher put them; auto = rank on CPU where a host runs more than one rank of the job, unless the launcher bound the ranks itself or another job may share the cores (under Slurm, part of a node without binding; elsewhere, too few cores left by other jobs' bound processes: one line says so), none on GPU and in elastic runs."""
+    """rank = each rank's threads (and loader workers) bound to its own block of the cores its host's ranks were started
+    on (those no other job's processes are bound to, if enough remain); none = where the launcher put them; auto = rank
+    on CPU where a host runs more than one rank of the job, unless the launcher bound the ranks itself or another job
+    may share the cores (under Slurm, part of a node without binding; elsewhere, too few cores left by other jobs' bound
+    processes: one line says so), none on GPU and in elastic runs."""
     host_malloc: Literal["auto", "tuned", "system"] = "auto"
-    """glibc's malloc in each rank: tuned = the memory a step frees is kept for the next step (no mmap blocks, up to 1 GiB kept at the heap's top), which spares the kernel's page faults on the CPU (resnet18 224 px, 1 thread: a step in 0.72-1.04 of the time, median 0.89; peak memory 2-14% higher); system = glibc's defaults; auto = tuned on CPU, system on GPU. MALLOC_* variables, GLIBC_TUNABLES or an allocator in LD_PRELOAD win."""
+    """glibc's malloc in each rank: tuned = the memory a step frees is kept for the next step (no mmap blocks, up to 1
+    GiB kept at the heap's top), which spares the kernel's page faults on the CPU (resnet18 224 px, 1 thread: a step in
+    0.72-1.04 of the time, median 0.89; peak memory 2-14% higher); system = glibc's defaults; auto = tuned on CPU,
+    system on GPU. MALLOC_* variables, GLIBC_TUNABLES or an allocator in LD_PRELOAD win."""
     cudnn_benchmark: bool = True
     """Let cuDNN pick the fastest convolution algorithms (fixed input sizes)."""
     compile: bool = False
     """Compile the model with torch.compile (slower start; measure with hvdtrain bench)."""
     prefetch: bool = True
-    """CUDA: copy (and normalize, or decode with data.decoder=nvimgcodec) the next batch on a side stream while the current step runs; false = when the step asks for it."""
+    """CUDA: copy (and normalize, or decode with data.decoder=nvimgcodec) the next batch on a side stream while the
+    current step runs; false = when the step asks for it."""
     phase_timing: bool = True
-    """Time each step's phases (data wait, forward+backward, allreduce wait, optimizer) per rank, and name stragglers."""
+    """Time each step's phases (data wait, forward+backward, allreduce wait, optimizer) per rank, and name
+    stragglers."""
     stats_interval: float = 1.0
     """Seconds between samples of each rank's CPU, memory and (with NVML) GPU use, averaged per epoch; 0 = off."""
     timeline: str = ""
@@ -57,13 +73,17 @@ class RuntimeConfig:
     timeline_steps: str = ""
     """Global steps to record in the timeline, as START-END (e.g. 100-120); empty = the whole run."""
     audit: Literal["stop", "warn", "off"] = "stop"
-    """Cross-rank audit: at every checkpoint and epoch end (and every runtime.audit_every steps), compare a fingerprint of each rank's parameters, buffers, optimizer state and GradScaler with rank 0's; stop = end the job naming the first differing tensor and the ranks; warn = say so and go on."""
+    """Cross-rank audit: at every checkpoint and epoch end (and every runtime.audit_every steps), compare a fingerprint
+    of each rank's parameters, buffers, optimizer state and GradScaler with rank 0's; stop = end the job naming the
+    first differing tensor and the ranks; warn = say so and go on."""
     audit_every: int = 0
     """Also audit every this many optimizer steps; 0 = at checkpoints and epoch ends only."""
     preemption_notice: Literal["none", "aws", "azure", "gcp"] = "none"
-    """Poll this cloud's spot/preemption notice; on a notice every rank checkpoints and exits 75, as on SIGTERM (docs/cloud.md)."""
+    """Poll this cloud's spot/preemption notice; on a notice every rank checkpoints and exits 75, as on SIGTERM
+    (docs/cloud.md)."""
     preemption_notice_url: str = ""
-    """Base URL of the notice endpoint; empty = the cloud's (http://169.254.169.254, GCP: http://metadata.google.internal)."""
+    """Base URL of the notice endpoint; empty = the cloud's (http://169.254.169.254, GCP:
+    http://metadata.google.internal)."""
     preemption_poll_seconds: float = 5.0
     """Seconds between two polls of the notice endpoint (each request times out after 2 s)."""
 
@@ -71,27 +91,38 @@ class RuntimeConfig:
 @dataclass
 class OutputConfig:
     dir: str = "auto"
-    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under a scheduler (Slurm, PBS, LSF, SGE, Flux: a requeued job keeps its id, and so its folder), runs/<config name> elsewhere; under a scheduler a folder a config file names gets one folder per job inside it; a folder another job's run holds or uses stops the job in one line (train/run_folder.py)."""
+    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/; auto = runs/<job name>-<job id> under a scheduler
+    (Slurm, PBS, LSF, SGE, Flux: a requeued job keeps its id, and so its folder), runs/<config name> elsewhere; under a
+    scheduler a folder a config file names gets one folder per job inside it; a folder another job's run holds or uses
+    stops the job in one line (train/run_folder.py)."""
     progress: bool = True
-    """Progress per epoch on rank 0: a bar on a terminal, a line when output is piped (every 10% of the epoch, at most every 10 s, or as output.progress_every_steps says), with the epoch's running training loss and metric on rank 0's samples."""
+    """Progress per epoch on rank 0: a bar on a terminal, a line when output is piped (every 10% of the epoch, at most
+    every 10 s, or as output.progress_every_steps says), with the epoch's running training loss and metric on rank 0's
+    samples."""
     progress_every_steps: int = 0
-    """A progress line every this many optimizer steps (main.py's --print-freq), and the bar's loss and metric updated as often; 0 = every 10% of the epoch, at most every 10 s."""
+    """A progress line every this many optimizer steps (main.py's --print-freq), and the bar's loss and metric updated
+    as often; 0 = every 10% of the epoch, at most every 10 s."""
     tensorboard: bool = True
     """tensorboardX scalars under <output.dir>/tb."""
     share: Literal["private", "group"] = "private"
-    """Who may read the run folder: private = you alone (folders 0700, files 0600); group = your group too (0750, 0640; within your umask), and a group-writable run folder or project folder above it is accepted. A folder another user owns, or that anyone can write, is never used."""
+    """Who may read the run folder: private = you alone (folders 0700, files 0600); group = your group too (0750, 0640;
+    within your umask), and a group-writable run folder or project folder above it is accepted. A folder another user
+    owns, or that anyone can write, is never used."""
 
 
 @dataclass
 class CheckpointConfig:
     resume: str = "auto"
-    """auto = continue from the newest readable checkpoint in <output.dir>/checkpoints, if it was trained with the same model, data, optimizer, schedule, seed and batch (else one line names the differences); force = continue it through such differences, recorded in metrics.jsonl; never; or a file."""
+    """auto = continue from the newest readable checkpoint in <output.dir>/checkpoints, if it was trained with the same
+    model, data, optimizer, schedule, seed and batch (else one line names the differences); force = continue it through
+    such differences, recorded in metrics.jsonl; never; or a file."""
     every_steps: int = 0
     """Also checkpoint every this many optimizer steps, mid-epoch; 0 = at the end of each epoch only."""
     keep: int = 3
     """Numbered checkpoints (step-N.pt) kept besides last.pt and best.pt; 0 = last.pt and best.pt only."""
     best_metric: str = ""
-    """Validation metric that picks best.pt, e.g. top1, ema_top1, loss (lower is better for *loss); empty = the task's (top1)."""
+    """Validation metric that picks best.pt, e.g. top1, ema_top1, loss (lower is better for *loss); empty = the task's
+    (top1)."""
 
 
 @dataclass
@@ -137,8 +168,10 @@ class TrackingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     every_steps: int = 10
-    """Send the step-level train loss (and the task's metrics), learning rate and images/s every this many optimizer steps, to the trackers and to TensorBoard (train_step/..., keyed by the global step); 0 = epoch records only."""
+    """Send the step-level train loss (and the task's metrics), learning rate and images/s every this many optimizer
+    steps, to the trackers and to TensorBoard (train_step/..., keyed by the global step); 0 = epoch records only."""
     log_checkpoints: Literal["none", "best", "last"] = "none"
     """Upload checkpoints as artifacts: best = best.pt whenever it improves; last = last.pt at every epoch end."""
     flush_seconds: float = 60.0
-    """At the end of the run or on a stop signal, wait at most this long for queued values to be sent and the tracker runs to end."""
+    """At the end of the run or on a stop signal, wait at most this long for queued values to be sent and the tracker
+    runs to end."""

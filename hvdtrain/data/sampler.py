@@ -82,9 +82,9 @@ class ShareDraw:
     """A rank's share of one epoch, drawn on a thread of its own before the epoch asks for it.
 
     ``torch.randperm`` (a sequential Fisher-Yates: 0.28 s at 14.2M samples on a quiet 2-core host,
-    seconds on a busy one) and numpy's copies release the GIL, so training goes on meanwhile. The share is a pure function of its key, so
-    ``take`` returns the very array a draw in the caller's thread would: timing decides only when it
-    is ready. The thread ends with its draw; nothing is left running.
+    seconds on a busy one) and numpy's copies release the GIL, so training goes on meanwhile. The
+    share is a pure function of its key, so ``take`` returns the very array a draw in the caller's
+    thread would: timing decides only when it is ready. The thread ends with its draw; nothing is left running.
     """
 
     def __init__(self, key: ShareKey):

@@ -136,7 +136,8 @@ class ElasticState(dist.ElasticStateBase):
         steps = dist.allgather_object(self.state.position.step, name="hvdtrain.fault.elastic.steps")
         root = max(range(len(steps)), key=lambda r: (steps[r], -r))
         dist.broadcast_state(self.state, root_rank=root)
-        self.train_sums = dist.broadcast_object(self.train_sums, root_rank=root, name="hvdtrain.fault.elastic.train_sums")
+        self.train_sums = dist.broadcast_object(self.train_sums, root_rank=root,
+                                                name="hvdtrain.fault.elastic.train_sums")
         self.saved = self.snapshot()
 
 

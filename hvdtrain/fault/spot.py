@@ -79,7 +79,8 @@ class Aws(Cloud):
         status, _, body = request(f"{self.base}/latest/api/token", "PUT",
                                   {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_SECONDS)}, self.timeout)
         if status != 200 or not body.strip():
-            raise Unreachable(f"{self.base}/latest/api/token answered HTTP {status} (is this an EC2 instance with IMDSv2?)")
+            raise Unreachable(f"{self.base}/latest/api/token answered HTTP {status} "
+                              "(is this an EC2 instance with IMDSv2?)")
         return body.strip()
 
     def check(self) -> str | None:
@@ -98,7 +99,8 @@ class Aws(Cloud):
                 action = json.loads(body)
                 return f"an AWS spot interruption notice ({action['action']} at {action['time']})"
             except (ValueError, KeyError, TypeError):
-                raise Unreachable(f"spot/instance-action answered something that is not its JSON: {body[:80]!r}") from None
+                raise Unreachable("spot/instance-action answered something that is not its JSON: "
+                                  f"{body[:80]!r}") from None
         raise Unreachable("the IMDSv2 token was refused twice")
 
 

@@ -190,7 +190,8 @@ def outcome(returncode: int, records: list[dict], launcher_error: list[str]) -> 
     if code is not None and code > 0:  # a rank that left without a record: its code is still the job's
         meaning = MEANINGS.get(code, f"exit code {code}")
         return code, (f"hvdtrain launch: exit {code} ({meaning}), {where}: it recorded no cause "
-                      f"(a crash before hvdtrain started, or a program that is not hvdtrain's CLI): see its output above")
+                      "(a crash before hvdtrain started, or a program that is not hvdtrain's CLI): "
+                      "see its output above")
     line = f"hvdtrain launch: exit 1 (a crash): {where} failed without an hvdtrain exit record: see its output above"
     if launcher_error:
         line += f"; horovodrun said: {launcher_error[-1].strip()[:300]}"
@@ -240,7 +241,8 @@ def one_host_elastic(argv: list[str]) -> tuple[list[str], str]:
     if is_this_host(host):
         return (["--network-interfaces", "lo", *argv],
                 f"hvdtrain launch: the discovery script lists one host, this one ({host}): naming the loopback "
-                f"interface (--network-interfaces lo), without which horovodrun's elastic driver waits for a second host")
+                "interface (--network-interfaces lo), without which horovodrun's elastic driver waits for a "
+                "second host")
     raise LaunchError(f"the discovery script {script} lists one host ({host}), and horovodrun's elastic driver waits "
                       f"for a second one unless a network interface is named: add --network-interfaces NIC (the "
                       f"interface {host} is reached by, e.g. eth0; hvdtrain doctor -H {host}:1 lists them)")

@@ -195,7 +195,8 @@ def read_weights_file(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def extract_state_dict(payload: Any, path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    if isinstance(payload, dict) and "config" in payload and "step" in payload and isinstance(payload.get("model"), dict):
+    is_checkpoint = isinstance(payload, dict) and "config" in payload and "step" in payload
+    if is_checkpoint and isinstance(payload.get("model"), dict):
         state, kind = payload["model"], "hvdtrain checkpoint"
     elif isinstance(payload, dict) and isinstance(payload.get("state_dict"), dict):
         state, kind = payload["state_dict"], "checkpoint (state_dict)"   # timm's train.py, Lightning

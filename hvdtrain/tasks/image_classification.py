@@ -128,7 +128,8 @@ class ImageClassification(Task):
         super().__init__(cfg)
         self.num_classes = cfg.model.num_classes or 1000
         self.index: FileIndex | None = None
-        self.shard_stream = None  # the shard loader's position in the epoch (data/shards/loader.py), with data.format=shards
+        # the shard loader's position in the epoch (data/shards/loader.py), with data.format=shards
+        self.shard_stream = None
         self.normalizers: dict[tuple, DeviceNormalizer] = {}
         self.device_decoder: DeviceDecoder | None = None  # data.decoder=nvimgcodec (data/image/device_decode.py)
         augment = cfg.augment
@@ -144,8 +145,8 @@ class ImageClassification(Task):
             # ImageNet's proportion of validation samples (50000 for 1281167), so a short synthetic
             # epoch is not followed by a long validation.
             val_samples = round(data.synthetic_samples * 50000 / 1281167)
-            val = SyntheticBatches(max(1, val_samples // world_size // batch), batch, data.val_image_size or data.image_size,
-                                   self.num_classes, cfg.seed + 7919 + rank)
+            val = SyntheticBatches(max(1, val_samples // world_size // batch), batch,
+                                   data.val_image_size or data.image_size, self.num_classes, cfg.seed + 7919 + rank)
             return Loaders(train, val, None, per_rank * world_size, 0)
 
         transforms = self.decoding(env)
@@ -213,7 +214,8 @@ class ImageClassification(Task):
         self.num_classes = cfg.model.num_classes or len(manifest.classes)
         train, val, stream = shards.shard_loaders(
             manifest, env.rank, env.world_size, cfg.train.batch_size,
-            *(transforms or (fast_train_transform(data, cfg.augment), fast_eval_transform(data))), cfg.seed, data.shuffle_buffer, data.on_bad_file == "fail",
+            *(transforms or (fast_train_transform(data, cfg.augment), fast_eval_transform(data))), cfg.seed,
+            data.shuffle_buffer, data.on_bad_file == "fail",
             loader_kwargs(data, env.pin_memory), DataLoader, epoch_resolution(data) if data.augment else None)
         self.shard_stream = stream
         return Loaders(train, val, stream, manifest.train.size, manifest.val.size,

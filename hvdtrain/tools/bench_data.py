@@ -160,7 +160,8 @@ def main(argv: list[str]) -> int:
         # Worker processes prefetch: a short timed round can take batches made before its clock
         # started (one such round reported 88,000 img/s). Per core, in this process, is exact.
         raise ConfigError(f"bench-data measures the pipeline per core, in its own process: use data.workers=0, "
-                          f"not {data.workers} (with N workers on N free cores, a loader delivers up to N times that rate)")
+                          f"not {data.workers} (with N workers on N free cores, a loader delivers up to N times that "
+                          "rate)")
     data.workers = 0
     if args.cold and not os.access(DROP_CACHES, os.W_OK):
         raise ConfigError(f"--cold drops the page cache through {DROP_CACHES}, which only root can write on Linux")

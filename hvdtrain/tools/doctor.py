@@ -313,7 +313,8 @@ def main(argv: list[str]) -> int:
     problems = compare_hosts(hosts) + trap_lines(hosts, args)
     for host in reachable:
         if host.facts["gpus"] and host.slots > len(host.facts["gpus"]):
-            print(f"note: {host.name} has {host.slots} slots but {len(host.facts['gpus'])} GPU(s): ranks would share GPUs")
+            print(f"note: {host.name} has {host.slots} slots but {len(host.facts['gpus'])} GPU(s): "
+                  "ranks would share GPUs")
     note = secrets_note(hosts)
     if note:
         print(note)

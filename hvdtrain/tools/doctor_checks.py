@@ -74,7 +74,8 @@ def package_versions() -> dict[str, str]:
         try:
             imported = importlib.import_module(module)
         except Exception as error:  # an ImportError, or a broken build's OSError: the host's problem, named
-            found[package] = f"{MISSING}{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+            first_line = str(error).splitlines()[0][:120] if str(error) else ""
+            found[package] = f"{MISSING}{type(error).__name__}: {first_line}"
             continue
         found[package] = str(getattr(imported, "__version__", "") or "?")
     return found

@@ -385,7 +385,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shard-size", type=float, default=256.0, metavar="MB", help="shard size (default 256)")
     parser.add_argument("--max-side", type=int, default=0, metavar="N",
                         help="downscale so that the longer side is at most N and re-encode (default 0: copy)")
-    parser.add_argument("--quality", type=int, default=90, metavar="Q", help="JPEG quality with --max-side (default 90)")
+    parser.add_argument("--quality", type=int, default=90, metavar="Q",
+                        help="JPEG quality with --max-side (default 90)")
     parser.add_argument("--workers", type=int, default=1, metavar="K", help="processes writing shards (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--follow-links", action="store_true",

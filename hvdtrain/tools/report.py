@@ -107,7 +107,8 @@ def summary_lines(run_dir: Path, splits: dict[str, list[dict[str, Any]]]) -> lis
     stragglers = [(int(r["epoch"]) + 1, s) for r in train for s in r.get("stragglers", [])]
     if stragglers:
         ranks = sorted({s["rank"] for _, s in stragglers})
-        lines.append(f"stragglers: rank(s) {rank_ranges(ranks).replace(',', ', ')} in {len({e for e, _ in stragglers})} of "
+        epochs = len({e for e, _ in stragglers})
+        lines.append(f"stragglers: rank(s) {rank_ranges(ranks).replace(',', ', ')} in {epochs} of "
                      f"{len(train)} epochs (see {RANKS_FILE if (run_dir / RANKS_FILE).is_file() else 'metrics.jsonl'} "
                      f"'stragglers')")
     used = [r for r in train if "cpu_percent" in r]

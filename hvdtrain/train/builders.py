@@ -208,7 +208,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
     return dist.distributed_optimizer(
         own if own is not None else build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
         compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
-        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense, bucket_mb=bucket_mb_for(cfg, device, has_sparse_gradients(model)))
+        op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense,
+        bucket_mb=bucket_mb_for(cfg, device, has_sparse_gradients(model)))
 
 
 def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:

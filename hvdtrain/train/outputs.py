@@ -221,7 +221,8 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
     if idle:
         log(f"hvdtrain: {idle}")
         raise NoProgress(idle)
-    raise Preempted(line.removeprefix("hvdtrain: "))  # the loop's ``finally`` calls finish(): outputs closed, then every rank leaves together
+    # the loop's ``finally`` calls finish(): outputs closed, then every rank leaves together
+    raise Preempted(line.removeprefix("hvdtrain: "))
 
 
 def finish(run: Run, outputs: Iterable[Outputs]) -> None:

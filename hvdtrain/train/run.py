@@ -152,7 +152,8 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
                   watchdog=Watchdog(0 if elastic else cfg.dist.timeout_seconds, peers, dist.rank()),
                   timeline=TimelineWindow(cfg.runtime.timeline, step_range(cfg.runtime.timeline_steps))
                   if cfg.runtime.timeline else None,
-                  stats=StatsSampler(cfg.runtime.stats_interval, device.index if device.type == "cuda" else None).start()
+                  stats=StatsSampler(cfg.runtime.stats_interval,
+                                     device.index if device.type == "cuda" else None).start()
                   if cfg.runtime.stats_interval > 0 else None, warnings=tally, evaluating=evaluating,
                   claim=claim)
 
@@ -177,8 +178,8 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
             undo.pop_all()  # the run owns them now (release)
             return run
         given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
-        log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks x {passes} "
-            f"passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
+        log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks "
+            f"x {passes} passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
             f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch"
             f"{'' if cfg.elastic.enabled else last_batch_note(cfg, loaders, world_size)}; "
             f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"

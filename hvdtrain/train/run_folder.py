@@ -287,7 +287,8 @@ def claim_folder(path: Path, resume: str, job: Job | None = None,
                    made=[] if had_lock else [path / LOCK_FILE], share=share)
     try:
         if lock_state == "held":
-            if not (owner and owner_key(owner) == job.key and job.key and (owner.get("restart") or 0) < (job.restart or 0)):
+            same_job = bool(owner) and owner_key(owner) == job.key and bool(job.key)
+            if not (same_job and (owner.get("restart") or 0) < (job.restart or 0)):
                 who = owner_label(owner) if owner else "another run"
                 raise FolderRefused(f"the output folder '{path.absolute()}' is in use by {who}: two runs would write "
                                     f"one folder; {own_folder_hint(job)}, or wait for that run to end")

@@ -180,7 +180,8 @@ class Trainer:
         # it trains (the data guard) or a reset may come between two boundaries (elastic: an answer
         # in flight would not survive Horovod's re-initialization).
         self.stop_waits = self.data_guard is not None or not isinstance(membership, Static)
-        self.bad_log = BadFilesLog(run.run_dir, cfg.output.share) if self.data_guard is not None and dist.is_primary() else None
+        self.bad_log = (BadFilesLog(run.run_dir, cfg.output.share)
+                        if self.data_guard is not None and dist.is_primary() else None)
         if run.start_epoch >= cfg.train.epochs:
             self.last = finished_metrics(run, broadcast=membership.broadcast)
             log(finished_line(run, self.last))
@@ -191,8 +192,9 @@ class Trainer:
         position = run.state.position  # attempts.jsonl: this job's start and end on the run folder
         share = cfg.output.share
         run.started_step, run.loop_started = position.step, time.time()
-        attempts.record_start(run.run_dir, [peer.host for peer in run.peers], dist.size(), position.epoch, position.step,
-                              share, run.claim.attempt if run.claim is not None else None)
+        hosts = [peer.host for peer in run.peers]
+        attempts.record_start(run.run_dir, hosts, dist.size(), position.epoch, position.step, share,
+                              run.claim.attempt if run.claim is not None else None)
         try:
             with self.stop.installed():
                 membership.run(run, self.train_epochs)
@@ -311,7 +313,8 @@ def finished_line(run: Run, last: dict[str, Any]) -> str:
     done = f"{run.start_epoch} of {run.cfg.train.epochs} epochs"
     val = last.get("val") or {}
     best = run.cfg.checkpoint.best_metric or run.task.best_metric
-    shown = [f"val {name} {val[name]:.4g}" for name in dict.fromkeys((best, "loss")) if isinstance(val.get(name), float)]
+    shown = [f"val {name} {val[name]:.4g}" for name in dict.fromkeys((best, "loss"))
+             if isinstance(val.get(name), float)]
     metrics = f" (epoch {last['epoch'] + 1}: {', '.join(shown)})" if shown else ""
     return (f"hvdtrain: this run had finished: {done} are done{metrics}; nothing to train "
             f"(raise train.epochs to train further, or use another output.dir)")

@@ -70,7 +70,8 @@ def effective(config: Path, host_key: Path, *options: str) -> dict[str, str]:
 
 def test_image_sshd_config_is_key_only_on_its_fixed_port(sshd_env):
     config = DOCKER / "sshd_config"
-    check = subprocess.run([SSHD, "-t", "-f", str(config), "-h", str(sshd_env / "host")], capture_output=True, text=True)
+    check = subprocess.run([SSHD, "-t", "-f", str(config), "-h", str(sshd_env / "host")], capture_output=True,
+                           text=True)
     assert check.returncode == 0, check.stderr
     values = effective(config, sshd_env / "host")
     assert values["port"] == "12345"

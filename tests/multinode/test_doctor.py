@@ -31,7 +31,8 @@ def test_doctor_checks_both_nodes_and_measures_allreduce(two_nodes, tmp_path):
                      out, re.M), out
     assert "(the measurements use --network-interfaces lo)" in out
     for host in two_nodes.hosts:  # one row per host: versions and Horovod's build
-        assert re.search(rf"^{host}\s+1\s+3\.\d+\.\d+\s+\S+\s+0\.28\.1\s+0\.1\.0\s+\S*gloo\+mpi\s+none$", out, re.M), out
+        row = rf"^{host}\s+1\s+3\.\d+\.\d+\s+\S+\s+0\.28\.1\s+0\.1\.0\s+\S*gloo\+mpi\s+none$"
+        assert re.search(row, out, re.M), out
     assert re.search(r"network interfaces on every host: .*\blo\b", out)
     header = next(line for line in out.splitlines() if line.strip().startswith("size"))
     assert header.split() == ["size", "gloo/cpu", "mpi/cpu"]

@@ -171,7 +171,8 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
                                                         "train.epochs=4"], tmp_path)
         fields = wait_for_end(slurm_cluster, second, timeout=300)
         text = (tmp_path / f"slurm-{second}.out").read_text()
-        assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "2:0", "0"), f"{fields}\n{text}"
+        state = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
+        assert state == ("FAILED", "2:0", "0"), f"{fields}\n{text}"
         assert f"holds the run of Slurm job {job} (" in text and f"not of this job (Slurm job {second})" in text, text
         assert len(records(run_dir / "metrics.jsonl")) == len(metrics)  # nothing written
 
@@ -212,7 +213,8 @@ def test_bad_input_is_recorded_with_hvdtrains_own_exit_code(script, slurm_cluste
         args, said = ["--config", "debug", f"data.dir={tmp_path / 'missing'}"], "missing"
     else:
         (tmp_path / "tqdm.py").write_text("")  # hides the installed tqdm: python -m puts the job's folder first
-        args, said = ["--config", "debug", "data.synthetic=true"], f"module 'tqdm' is shadowed by {tmp_path / 'tqdm.py'}"
+        args = ["--config", "debug", "data.synthetic=true"]
+        said = f"module 'tqdm' is shadowed by {tmp_path / 'tqdm.py'}"
     job = submit(slurm_cluster, script, args + [f"output.dir={tmp_path / 'run'}"], tmp_path)
     fields = wait_for_end(slurm_cluster, job, timeout=300)
     text = (tmp_path / f"slurm-{job}.out").read_text()

@@ -22,15 +22,16 @@ def check(stdout: str, ranks: int, json_path, passes: int = 1) -> dict:
     lines = [line for line in result_lines(stdout) if line.strip()]
     assert re.fullmatch(r"images_per_sec=\d+\.\d+", lines[-1].strip()), stdout[-2000:]
     for rank in range(ranks):
-        assert any(re.match(rf"bench: rank {rank}: \d+\.\d+ img/s \+- \d+\.\d+ \(95% interval\)", l) for l in lines)
-    assert any(l.startswith("bench: total: ") for l in lines)
+        rate = rf"bench: rank {rank}: \d+\.\d+ img/s \+- \d+\.\d+ \(95% interval\)"
+        assert any(re.match(rate, line) for line in lines)
+    assert any(line.startswith("bench: total: ") for line in lines)
     result = json.loads(json_path.read_text())
     assert result["world_size"] == ranks and len(result["per_rank"]) == ranks
     assert result["warmup_steps"] == 1 and result["steps"] == 2 and len(result["repeats_images_per_sec"]) == 2
     # Every timed repeat ran all of its steps (a benchmark that times nothing must not pass).
     assert result["steps_run"] == [2, 2], result
     assert result["samples_run"] == [2 * ranks * 4 * passes] * 2, result
-    total = float([l for l in lines if l.startswith("images_per_sec=")][-1].split("=")[1])
+    total = float([line for line in lines if line.startswith("images_per_sec=")][-1].split("=")[1])
     assert total == pytest.approx(result["images_per_sec"], abs=0.01) and total > 0
     for row in result["per_rank"]:  # a rank's rate is its own samples over its own time
         assert row["images_per_sec"] == pytest.approx(total / ranks, rel=0.5), result

@@ -52,8 +52,9 @@ def test_sampler_rows_alone_alternate_two_versions(tmp_path):
     # --sampler-only needs no folder; --sampler-before runs another sampler module (here the same
     # file) in turn with this one. 200k samples: enough for the next epoch to be drawn ahead.
     out = tmp_path / "rows.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "200k", "--sampler-only",
-                           "--sampler-before", str(REPO / "hvdtrain" / "data" / "sampler.py"), "--runs", "1",
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "200k",
+                           "--sampler-only", "--sampler-before", str(REPO / "hvdtrain" / "data" / "sampler.py"),
+                           "--runs", "1",
                            "--root", str(tmp_path), "--json", str(out)],
                           cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -72,9 +73,9 @@ def test_first_epoch_rows_time_the_draw_as_training_starts_it(tmp_path):
     # turn. 200k samples: enough for the draw to go to the thread. One worker count, one run: two
     # fresh processes (the child is the same for every worker count).
     out = tmp_path / "rows.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "200k", "--first-epoch",
-                           "--workers", "2", "--runs", "1", "--batch", "8", "--batches", "3", "--root", str(tmp_path),
-                           "--json", str(out)],
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_scale.py"), "--sizes", "200k",
+                           "--first-epoch", "--workers", "2", "--runs", "1", "--batch", "8", "--batches", "3",
+                           "--root", str(tmp_path), "--json", str(out)],
                           cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())

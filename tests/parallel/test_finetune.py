@@ -92,8 +92,8 @@ def test_finetune_with_frozen_backbone_new_head_exact_resume_and_recorded_split(
         assert torch.equal(again[key], final[key]), f"{key} differs after resume"
 
     # 4. evaluate reads the same split from the checkpoint's run directory.
-    result = launch("single", 1, ["-m", "hvdtrain", "evaluate", "--checkpoint", str(straight / "checkpoints" / "last.pt"),
-                                  "runtime.threads=1"], tmp_path)
+    result = launch("single", 1, ["-m", "hvdtrain", "evaluate", "--checkpoint",
+                                  str(straight / "checkpoints" / "last.pt"), "runtime.threads=1"], tmp_path)
     line = json.loads([x for x in result.stdout.splitlines() if x.startswith("{")][-1])
     assert line["samples"] == 287 and line["top1"] == pytest.approx(val[-1]["top1"], abs=1e-9)
     assert BIN.exists()

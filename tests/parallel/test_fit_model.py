@@ -136,7 +136,8 @@ def test_the_stop_agreement_benchmark_runs_every_contender_and_counts_the_agreem
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "stop_agreement.json").read_text())
     runs = summary["runs"]
-    assert sorted(runs) == ["ddp", "every-step", "hvdtrain", "none"] and summary["bind"] == "rank"  # sparse: hvdtrain's path
+    # sparse: hvdtrain's path
+    assert sorted(runs) == ["ddp", "every-step", "hvdtrain", "none"] and summary["bind"] == "rank"
     assert (summary["steps"], summary["warmup_steps"]) == (40, 5)
     assert all(contender[0]["steps"] == 40 and contender[0]["ms_per_step"] > 0 for contender in runs.values())
     assert runs["every-step"][0]["agreements"] == 40

@@ -35,9 +35,9 @@ COMMON = ["output.tensorboard=false", "output.progress=false", "runtime.stats_in
 # NCF, implicit, sparse embedding gradients through Horovod's allgather; Adagrad takes them.
 # 3 epochs of 30 steps; checkpoints every 7 steps (mid-epoch at 7, 14, ...).
 NCF_SPARSE = ["--config", "movielens_ncf", "recommendation.sparse_embeddings=true", "optim.name=adagrad",
-              "optim.base_lr=0.02", "recommendation.embedding_dim=8", "recommendation.mlp_layers=16,8", "recommendation.negatives=2",
-              "train.batch_size=32", "train.epochs=3", "train.steps_per_epoch=30", "checkpoint.every_steps=7",
-              "checkpoint.keep=100", "checkpoint.resume=auto", *COMMON]
+              "optim.base_lr=0.02", "recommendation.embedding_dim=8", "recommendation.mlp_layers=16,8",
+              "recommendation.negatives=2", "train.batch_size=32", "train.epochs=3", "train.steps_per_epoch=30",
+              "checkpoint.every_steps=7", "checkpoint.keep=100", "checkpoint.resume=auto", *COMMON]
 
 
 def ncf_args(ratings_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -152,7 +152,8 @@ def test_validation_is_exact_on_three_ranks(ratings_dir, tmp_path):
     the same checkpoint: every user counted once."""
     run_dir = tmp_path / "run"
     args = ["--config", "movielens_ncf", f"data.dir={ratings_dir}", f"output.dir={run_dir}", "train.batch_size=16",
-            "train.epochs=1", "train.steps_per_epoch=20", "recommendation.embedding_dim=8", "recommendation.mlp_layers=16,8", *COMMON]
+            "train.epochs=1", "train.steps_per_epoch=20", "recommendation.embedding_dim=8",
+            "recommendation.mlp_layers=16,8", *COMMON]
     three = probe_run("horovodrun-gloo", 3, tmp_path, args)
     assert [r["size"] for r in three] == [3, 3, 3]
     val = three[0]["metrics"]["val"]

@@ -60,7 +60,8 @@ def test_a_checkpoint_of_another_run_is_refused_and_nothing_is_written(trained, 
     assert result.returncode != 0 and lines, result.stdout[-2000:] + result.stderr[-2000:]
     assert "belongs to another run" in lines[0] and named in lines[0] and "checkpoint.resume=force" in lines[0]
     assert "train.epochs" not in lines[0]  # a key that may change is not a reason to refuse
-    assert not [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[") and "Traceback" in line]
+    output = (result.stdout + result.stderr).splitlines()
+    assert not [line for line in output if line.startswith("[") and "Traceback" in line]
     assert folder_digest(trained) == before  # checkpoints, config.yaml and metrics.jsonl untouched
 
 
@@ -86,4 +87,5 @@ def test_a_model_that_does_not_fit_is_named_in_one_line(trained, tiny_data, tmp_
     lines = error_lines(result)
     assert result.returncode != 0 and lines and "does not fit this model" in lines[0], result.stderr[-2000:]
     assert "unknown to this model" in lines[0] or "missing" in lines[0]
-    assert not [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[") and "Traceback" in line]
+    output = (result.stdout + result.stderr).splitlines()
+    assert not [line for line in output if line.startswith("[") and "Traceback" in line]

@@ -95,8 +95,8 @@ def user_task(tmp_path_factory) -> Path:
 
 
 def user_args(folder: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["--config", str(REPO / "examples" / "custom_task" / "config.yaml"), f"task={folder / 'error_task.py'}:ErrorTask",
-            f"output.dir={run_dir}", "train.epochs=3", *extra]
+    return ["--config", str(REPO / "examples" / "custom_task" / "config.yaml"),
+            f"task={folder / 'error_task.py'}:ErrorTask", f"output.dir={run_dir}", "train.epochs=3", *extra]
 
 
 def test_a_user_tasks_lower_is_better_metric_picks_best_pt_and_its_target(user_task, tmp_path):

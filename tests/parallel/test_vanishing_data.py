@@ -71,7 +71,8 @@ def test_files_vanishing_in_epoch_1_stop_both_ranks_at_a_good_step_and_the_rerun
         line[line.index("hvdtrain: training data vanished"):])
     found = re.search(r"hvdtrain: training data vanished: (\d+) of the (\d+) training files read in epoch 1 failed "
                       r"\(([\d.]+)%: (\d+) missing; data\.max_bad_fraction=0\.01 allows 1 of the epoch's 192\); "
-                      rf"most in {re.escape(str(folder))}/ \((\d+)\); first missing: {re.escape(str(folder))}/\S+\.JPEG\. "
+                      rf"most in {re.escape(str(folder))}/ \((\d+)\); first missing: "
+                      rf"{re.escape(str(folder))}/\S+\.JPEG\. "
                       r"Stopped before global step (\d+) \(epoch 1, step (\d+)/12\)", line)
     assert found, line
     failed, read, share, missing, in_folder, next_step, next_in_epoch = (
@@ -153,7 +154,8 @@ def test_a_class_folder_missing_at_start_up_is_one_line(tmp_path):
         f"hvdtrain: error: class folder {folder} has no image files (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, "
         f".tiff, .webp); add images or remove the folder"]
     folder.rmdir()
-    shutil.rmtree(data / "val" / folder.name)   # gone from both splits (with it in val/ alone, the layout check says so)
+    # gone from both splits (with it in val/ alone, the layout check says so)
+    shutil.rmtree(data / "val" / folder.name)
     gone = launch("single", 1, gone_single, tmp_path, check=False)   # the classifier would have 3 outputs
     assert gone.returncode == 2 and "Traceback" not in gone.stderr
     assert [line for line in gone.stderr.splitlines() if line.strip()] == [

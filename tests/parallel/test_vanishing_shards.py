@@ -78,12 +78,12 @@ def test_a_shard_vanishing_in_epoch_1_stops_both_ranks_before_it_and_the_rerun_r
     run_dir = tmp_path / "run"
     stopped, output = stopped_run(tmp_path, [*args, f"output.dir={run_dir}"], shard, step=1)
     line = the_line(stopped, output, "training data vanished")
-    found = re.fullmatch(rf"hvdtrain: training data vanished: shard {re.escape(str(shard))} cannot be read \(missing: "
-                         r"FileNotFoundError: No such file or directory\), and epoch 1 needs it\. Stopped before global "
-                         r"step (\d+) \(epoch 1, step (\d+)/6\): the checkpoint of the last good step is "
-                         rf"{re.escape(str(run_dir / 'checkpoints'))}/step-(\d+)\.pt, the failed files are listed in "
-                         rf"{re.escape(str(run_dir / 'bad_files.jsonl'))}\. Restore the shards \(remount the volume\), "
-                         r"then run the same command to resume", line)
+    found = re.fullmatch(rf"hvdtrain: training data vanished: shard {re.escape(str(shard))} cannot be read "
+                         r"\(missing: FileNotFoundError: No such file or directory\), and epoch 1 needs it\. "
+                         r"Stopped before global step (\d+) \(epoch 1, step (\d+)/6\): the checkpoint of the last "
+                         rf"good step is {re.escape(str(run_dir / 'checkpoints'))}/step-(\d+)\.pt, the failed files "
+                         rf"are listed in {re.escape(str(run_dir / 'bad_files.jsonl'))}\. Restore the shards "
+                         r"\(remount the volume\), then run the same command to resume", line)
     assert found, line
     next_step, next_in_epoch, saved_step = (int(value) for value in found.groups())
     stop_step = next_step - 1
@@ -127,9 +127,10 @@ def test_a_vanished_validation_folder_stops_after_the_training_checkpoint_and_th
         rf"hvdtrain: validation data vanished: 6 of the 24 validation samples failed in epoch 1 \(25\.0%: 6 missing; "
         rf"data\.max_bad_fraction=0\.01 allows 0\); most in {re.escape(str(folder))}/ \(6\); first missing: "
         rf"{re.escape(str(folder))}/\S+\.JPEG\. Epoch 1's training is saved, not validated \(its metrics would leave "
-        rf"those samples out\), in {re.escape(str(run_dir / 'checkpoints' / 'step-00000002.pt'))}; the failed files are "
-        rf"listed in {re.escape(str(run_dir / 'bad_files.jsonl'))}\. Restore the data \(remount the volume\), then run "
-        r"the same command: it resumes there and validates epoch 1 again; or raise data\.max_bad_fraction", line), line
+        rf"those samples out\), in {re.escape(str(run_dir / 'checkpoints' / 'step-00000002.pt'))}; the failed "
+        rf"files are listed in {re.escape(str(run_dir / 'bad_files.jsonl'))}\. Restore the data \(remount the "
+        r"volume\), then run the same command: it resumes there and validates epoch 1 again; or raise "
+        r"data\.max_bad_fraction", line), line
     saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert (saved["epoch"], saved["step"], saved["step_in_epoch"]) == (0, 2, 2)   # trained, not validated
     assert saved["best_metric"] is None and not (run_dir / "checkpoints" / "best.pt").exists()

@@ -163,7 +163,8 @@ class SharedJob:
 
     # -- a test job ----------------------------------------------------------------------------------
 
-    def run(self, program: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    def run(self, program: list[str], cwd: Path, env: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess | None:
         """Run ``program`` on the shared ranks; None when it needs a launch of its own."""
         if not self.alive():
             self.start()

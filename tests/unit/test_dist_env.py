@@ -91,7 +91,8 @@ def test_gradient_buckets_follow_backward_order_and_skip_frozen_parameters():
     ([], "cpu", 25), ([], "cuda", 0), (["dist.bucket_mb=8"], "cuda", 8), (["dist.bucket_mb=0"], "cpu", 0),
     (["elastic.enabled=true"], "cpu", 0),
 ])
-def test_bucket_size_auto_is_ddps_on_cpu_and_off_on_gpu_for_sparse_gradients_and_elastic_runs(overrides, device, expected):
+def test_bucket_size_auto_is_ddps_on_cpu_and_off_on_gpu_for_sparse_gradients_and_elastic_runs(
+        overrides, device, expected):
     assert builders.bucket_mb_for(load_config(None, overrides), torch.device(device)) == expected
     # A model that makes sparse gradients (a recommender with recommendation.sparse_embeddings) takes no groups.
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))

@@ -184,6 +184,7 @@ def test_architecture_names_only_existing_files():
 
 def test_the_name_check_sees_a_function_named_in_the_wrong_module():
     assert resolve("builders.build_model") is None
-    assert resolve("run.build_model") == "'run.build_model' is defined in hvdtrain.train.builders, not hvdtrain.train.run"
+    assert resolve("run.build_model") == ("'run.build_model' is defined in hvdtrain.train.builders, "
+                                          "not hvdtrain.train.run")
     assert resolve("run.no_such_function") is not None
     assert resolve("Run.task") is None and resolve("StepSettings.after_optimizer_step") is None

@@ -313,7 +313,8 @@ def test_a_step_srun_cannot_start_is_one_line_with_the_fix_and_ends_the_measurem
         "4242: More processors requested than permitted): the measurement runs one task per slot (localhost:3) "
         "with a CPU each, inside the allocation; ask for them (sbatch/salloc --ntasks=3 --nodes=1), or add "
         "--skip-bench (the host checks above stand)"]
-    assert "measuring allreduce with the gloo controller (an srun step of Slurm job 4242) ..." in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "measuring allreduce with the gloo controller (an srun step of Slurm job 4242) ..." in out
     assert allreduce_slurm.not_started("mpi", [host], "srun: error: Couldn't find the specified plugin name for "
                                        "mpi/pmix looking at all files\n").startswith(
         "mpi controller: srun could not start the ranks with --mpi=")

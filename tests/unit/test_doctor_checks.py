@@ -106,7 +106,8 @@ def test_data_dir_missing_and_output_dir_not_writable_name_the_host(tmp_path, mo
     assert checks.host_problems(hosts) == [
         f"node1: data.dir '{tmp_path / 'unmounted'}' is not there (not mounted, or another path on this host): mount "
         f"it on every host at the same path, or copy the data there",
-        f"node1: output.dir '{blocked}' is not a folder: set output.dir to a folder you can write to (rank 0 writes it)"]
+        f"node1: output.dir '{blocked}' is not a folder: set output.dir to a folder you can write to "
+        f"(rank 0 writes it)"]
     # Root passes every permission check, so the mode case is shown with os.access answering no.
     monkeypatch.setattr(checks.os, "access", lambda path, mode: False)
     assert checks.writable_problem(tmp_path / "runs" / "x") == \

@@ -144,6 +144,7 @@ def test_the_benchmark_runs_both_contenders_through_their_steps(tmp_path):
                           "--pairs", "1", "--out", str(tmp_path)])
     assert [run["steps"] for mode in ("defaults", "tuned") for run in result["runs"][mode]] == [2, 2]
     assert result["runs"]["tuned"][0]["malloc"] == "tuned" and result["runs"]["defaults"][0]["malloc"] is None
-    assert all(run["seconds_per_step"] > 0 and run["peak_rss_mb"] > 0 for runs in result["runs"].values() for run in runs)
+    assert all(run["seconds_per_step"] > 0 and run["peak_rss_mb"] > 0
+               for runs in result["runs"].values() for run in runs)
     assert len(result["paired_ratios"]) == 1
     assert json.loads((tmp_path / "host_malloc.json").read_text())["paired_ratios"] == result["paired_ratios"]

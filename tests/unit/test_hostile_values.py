@@ -36,7 +36,8 @@ def refused(config_file: str | None = None, overrides: list[str] = ()) -> str:
 
 @pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity", "1e999"])
 def test_non_finite_numbers_are_refused_on_the_command_line(text):
-    assert refused(None, [f"optim.base_lr={text}"]) == f"config key 'optim.base_lr' must be a finite number, got '{text}'"
+    expected = f"config key 'optim.base_lr' must be a finite number, got '{text}'"
+    assert refused(None, [f"optim.base_lr={text}"]) == expected
 
 
 @pytest.mark.parametrize("text", [".nan", ".inf", "-.inf", ".NaN"])
@@ -207,7 +208,8 @@ def test_discover_hosts_skips_names_that_are_not_host_names(tmp_path):
         f"discover-hosts.sh: skipping '{name}' in {hosts}: not a host name (letters, digits, '.', '-', '_', "
         "not starting with '-')" for name in ("-oProxyCommand=touch${IFS}/tmp/pwned", "a;b")]
     calls = (tmp_path / "ssh.log").read_text().splitlines()
-    assert calls == ["-o BatchMode=yes -o ConnectTimeout=2 -- node0 true", "-o BatchMode=yes -o ConnectTimeout=2 -- node1 true"]
+    assert calls == ["-o BatchMode=yes -o ConnectTimeout=2 -- node0 true",
+                     "-o BatchMode=yes -o ConnectTimeout=2 -- node1 true"]
 
 
 # --- keys that size a loop or an allocation --------------------------------------------------------

@@ -292,7 +292,8 @@ def test_a_corrupt_or_old_index_cache_is_rebuilt_silently(damage, tmp_path, caps
     key = read_header(Buffer.of_file(path))[0]["key"]
     marker = tmp_path / "unpickled"
     v2 = {"format": "hvdtrain-file-index-v2", "key": key, "root": str(root),
-          "train": {"classes": fresh.train.classes, "paths": list(fresh.train.paths), "labels": list(fresh.train.labels)},
+          "train": {"classes": fresh.train.classes, "paths": list(fresh.train.paths),
+                    "labels": list(fresh.train.labels)},
           "val": {"classes": fresh.val.classes, "paths": list(fresh.val.paths), "labels": list(fresh.val.labels)}}
     # Damage rewrites the file in place, which hvdtrain never does (it replaces the file): a
     # mapping of the old contents would see the damage, so compare with a copy in memory.

@@ -12,7 +12,8 @@ TOKEN = "ab" * 16
 HOROVODRUN_TRACEBACK = """Traceback (most recent call last):
   File "/venv/bin/horovodrun", line 8, in <module>
     sys.exit(run_commandline())
-RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so was:
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be \
+terminated. The first process to do so was:
 Process name: 1
 Exit code: 137
 """
@@ -78,7 +79,8 @@ def test_a_rank_writes_a_record_only_under_the_launcher(monkeypatch):
     assert launch.exit_record(0, 2, "error: bad") is None
     monkeypatch.setenv(launch.TOKEN_VARIABLE, TOKEN)
     assert launch.exit_record(0, 0, "") is None
-    assert launch.exit_record(1, 75, "stopped\n") == f'hvdtrain-exit {TOKEN} {{"rank": 1, "code": 75, "cause": "stopped"}}'
+    assert launch.exit_record(1, 75, "stopped\n") == \
+        f'hvdtrain-exit {TOKEN} {{"rank": 1, "code": 75, "cause": "stopped"}}'
 
 
 MPIRUN_ABORT = """-------------------------------------------------------

@@ -76,7 +76,8 @@ def test_target_and_its_old_name():
 
 
 def test_the_target_applies_to_the_best_metric_unless_named():
-    run = SimpleNamespace(cfg=load_config("movielens", ["train.target=0.9"]), task=Recommendation(load_config("movielens")))
+    run = SimpleNamespace(cfg=load_config("movielens", ["train.target=0.9"]),
+                          task=Recommendation(load_config("movielens")))
     assert target_metric_name(run) == ("rmse", "checkpoint.best_metric")
     run.cfg = load_config("movielens", ["train.target=0.7", "train.target_metric=mae", "checkpoint.best_metric=loss"])
     assert target_metric_name(run) == ("mae", "train.target_metric")

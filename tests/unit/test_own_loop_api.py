@@ -36,8 +36,9 @@ def test_without_padding_every_sample_belongs_to_one_rank(length, replicas):
     shares = [list(DistributedSampler(list(range(length)), num_replicas=replicas, rank=rank, shuffle=False, pad=False))
               for rank in range(replicas)]
     assert sorted(i for share in shares for i in share) == list(range(length))
-    assert [len(share) for share in shares] == [len(DistributedSampler(list(range(length)), num_replicas=replicas,
-                                                                       rank=rank, pad=False)) for rank in range(replicas)]
+    assert [len(share) for share in shares] == [
+        len(DistributedSampler(list(range(length)), num_replicas=replicas, rank=rank, pad=False))
+        for rank in range(replicas)]
 
 
 def python(code: str, tmp_path, **extra: str) -> subprocess.CompletedProcess:

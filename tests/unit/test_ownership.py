@@ -119,7 +119,8 @@ def test_a_folder_another_user_owns_is_refused(tmp_path, attacker):
     with pytest.raises(UnsafePath) as error:
         own_folder(folder, what="output folder", fix="set output.dir=/a/folder/of/yours")
     assert str(error.value) == (f"the output folder '{folder}' is not safe to write into: {folder} belongs to "
-                                f"{users.ATTACKER} (owner {users.ATTACKER}, mode 0755); set output.dir=/a/folder/of/yours")
+                                f"{users.ATTACKER} (owner {users.ATTACKER}, mode 0755); "
+                                f"set output.dir=/a/folder/of/yours")
 
 
 def test_folders_above_decide_who_could_swap_it(tmp_path, attacker):

@@ -76,7 +76,8 @@ def test_stragglers_are_the_worst_five_and_a_count():
     lines = straggler_lines(found, 0.15, WORLD, straggler_line)
     assert len(lines) == 6
     assert lines[:5] == [straggler_line(s) for s in found[:5]]
-    assert lines[0] == "hvdtrain: straggler: rank 0 on node0 is 200% slower than the median rank: data wait 50% of its step"
+    assert lines[0] == ("hvdtrain: straggler: rank 0 on node0 is 200% slower than the median rank: "
+                        "data wait 50% of its step")
     assert lines[5].startswith("hvdtrain: stragglers: 295 more rank(s) of 512 over 15% slower than the median "
                                "(up to 200%), on ")
     assert lines[5].endswith(" hosts: every one in metrics_ranks.jsonl")

@@ -258,7 +258,8 @@ def test_prepare_writes_again_a_shard_that_is_not_the_users(source, tmp_path):
     # An interrupted run of ours, whose first shard someone could rewrite meanwhile.
     (dst / "manifest.json").unlink()
     (dst / ".prepare").mkdir()
-    (dst / ".prepare" / "options.json").write_text(json.dumps({"format": "hvdtrain-shards-v1", "options": manifest["options"]}))
+    options = {"format": "hvdtrain-shards-v1", "options": manifest["options"]}
+    (dst / ".prepare" / "options.json").write_text(json.dumps(options))
     shard = manifest["splits"]["train"]["shards"][0]
     (dst / ".prepare" / f"{shard['name']}.json").write_text(json.dumps({**shard, "skipped": []}))
     (dst / shard["name"]).chmod(0o666)

@@ -120,4 +120,5 @@ def test_checkpoints_are_private_and_never_written_through_a_link(tmp_path, umas
     assert checkpoint.load(path)["step"] == 4
     fresh = checkpoint.CheckpointSaver(tmp_path / "new" / "checkpoints", keep=0, share="group")
     fresh.save({"model": {}, "optimizer": {}, "epoch": 1, "step": 4, "config": {}}, False)
-    assert mode(tmp_path / "new" / "checkpoints") == 0o750 and mode(tmp_path / "new" / "checkpoints" / "last.pt") == 0o640
+    assert mode(tmp_path / "new" / "checkpoints") == 0o750
+    assert mode(tmp_path / "new" / "checkpoints" / "last.pt") == 0o640

@@ -122,7 +122,8 @@ def test_killed_prepare_leaves_no_partial_shard_and_resumes_to_identical_output(
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
-    assert {p.name: digest(p) for p in killed.iterdir()} == {**expected, "manifest.json": digest(killed / "manifest.json")}
+    expected = {**expected, "manifest.json": digest(killed / "manifest.json")}
+    assert {p.name: digest(p) for p in killed.iterdir()} == expected
     ours = json.loads((killed / "manifest.json").read_text())
     theirs = json.loads((reference / "manifest.json").read_text())
     ours["options"]["source"] = theirs["options"]["source"]
@@ -149,7 +150,8 @@ def emitted(stream: shards.ShardStream, monkeypatch) -> list[list[int]]:
     batches: list[list[int]] = []
     per_worker = []
     for worker in range(stream.workers):
-        monkeypatch.setattr(shards, "get_worker_info", lambda w=worker: SimpleNamespace(id=w, num_workers=stream.workers))
+        monkeypatch.setattr(shards, "get_worker_info",
+                            lambda w=worker: SimpleNamespace(id=w, num_workers=stream.workers))
         _, emit, sizes = stream.plan()
         rows, at = [], 0
         for size in sizes:

@@ -69,7 +69,8 @@ def test_horovodrun_gets_no_cache_where_home_is_not_writable(tmp_path):
 def closed_python(tmp_path: Path) -> Path | None:
     """A Python whose folder others cannot enter: this interpreter's, if it is one (pyenv under
     /root), else None."""
-    check = subprocess.run(["bash", str(SHARED_INSTALL), "python-check", sys.executable], capture_output=True, text=True)
+    check = subprocess.run(["bash", str(SHARED_INSTALL), "python-check", sys.executable], capture_output=True,
+                           text=True)
     return Path(sys.executable) if check.returncode == 1 else None
 
 

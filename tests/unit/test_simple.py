@@ -24,7 +24,10 @@ from hvdtrain.train.builders import resolve_batch_size
 
 def small_sets(train: int = 50, val: int = 11):
     generator = torch.Generator().manual_seed(0)
-    make = lambda n: TensorDataset(torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+
+    def make(n: int) -> TensorDataset:
+        return TensorDataset(torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+
     return make(train), make(val)
 
 
@@ -185,7 +188,8 @@ def test_the_default_epoch_line_shows_the_best_metric():
 
 def test_a_finished_runs_metrics_are_read_back(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"split": "train", "epoch": 0, "step": 5, "loss": 1.0}, {"split": "val", "epoch": 0, "step": 5, "loss": 0.9},
+    rows = [{"split": "train", "epoch": 0, "step": 5, "loss": 1.0},
+            {"split": "val", "epoch": 0, "step": 5, "loss": 0.9},
             {"split": "resume", "epoch": 1, "step": 5}, {"split": "train", "epoch": 1, "step": 10, "loss": 0.5},
             {"split": "val", "epoch": 1, "step": 10, "loss": 0.4, "accuracy": 97.5}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"split": "tr')  # a write cut short

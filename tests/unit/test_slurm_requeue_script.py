@@ -16,7 +16,9 @@ REQUEUE = Path(__file__).resolve().parents[2] / "hostfiles" / "slurm" / "requeue
 # after their checkpoint), saying each SIGUSR1 it got and what the stop file holds.
 COMMAND = """trap 'echo got USR1 >> "$LOG"; stop=1' USR1; echo started >> "$LOG"; stop=0; i=0
 while ((stop == 0 && i < TICKS)); do
-    if [ -n "${READ_STOP_FILE:-}" ] && [ -s "$HVDTRAIN_STOP_FILE" ]; then echo "read the stop file" >> "$LOG"; stop=1; fi
+    if [ -n "${READ_STOP_FILE:-}" ] && [ -s "$HVDTRAIN_STOP_FILE" ]; then
+        echo "read the stop file" >> "$LOG"; stop=1
+    fi
     sleep 0.1 & wait $!; i=$((i + 1))
 done
 if ((stop)); then
@@ -26,7 +28,8 @@ if ((stop)); then
 fi
 exit $CODE"""
 # The batch scripts' first lines: a stop signal is kept from the start (here: until the file "go").
-EARLY = ('stop_signal=""; trap \'stop_signal=${stop_signal:-TERM}\' TERM; trap \'stop_signal=${stop_signal:-USR1}\' USR1; '
+EARLY = ('stop_signal=""; trap \'stop_signal=${stop_signal:-TERM}\' TERM; '
+         'trap \'stop_signal=${stop_signal:-USR1}\' USR1; '
          'echo waiting >> "$LOG"; while [ ! -e "$GO" ]; do sleep 0.05 & wait $! || true; done; ')
 # scontrol: records its calls but `show`; `requeue` fails with REQUEUE_FAILS set, else Slurm's restart
 # count goes up by one; `show job` says JobState=$STATE and that count (or $SHOWN_RESTARTS).

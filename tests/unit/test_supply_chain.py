@@ -146,7 +146,8 @@ def test_setup_installs_prebuilt_wheels_only_through_the_check():
     assert 'source "$repo/scripts/wheel-check.sh"' in setup
     # every candidate goes through verified_wheel, and what is installed is its checked copy
     loop = setup[setup.index('for root in ${HVDTRAIN_WHEELHOUSE'):setup.index("install_wheel() {")]
-    assert 'verified_wheel "$candidate" "$root" "$checked_dir" "$hashes" || {' in loop and "wheel=$checked_wheel" in loop
+    assert 'verified_wheel "$candidate" "$root" "$checked_dir" "$hashes" || {' in loop
+    assert "wheel=$checked_wheel" in loop
     assert "sha256sum horovod-\"$horovod_version\"-*.whl >SHA256SUMS" in setup
     # the image build: the script is in the builder, and build-local.sh hands over the sums
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
@@ -186,7 +187,8 @@ def test_every_python_dependency_is_pinned_alike_in_setup_sh_and_pyproject():
             assert not sep and name in pins
             continue
         assert sep, f"pyproject.toml: '{requirement}' is not pinned"
-        assert pins.get(name.lower(), version) == version, f"pyproject.toml pins {requirement}, setup.sh {pins[name.lower()]}"
+        assert pins.get(name.lower(), version) == version, \
+            f"pyproject.toml pins {requirement}, setup.sh {pins[name.lower()]}"
     installed = {name: pins[name] for name in ("psutil", "cloudpickle", "pyyaml")}
     import importlib.metadata as metadata
     assert {name: metadata.version(name) for name in installed} == installed  # pinned to what the venv has

@@ -54,7 +54,8 @@ def test_every_member_and_byte_as_tarfile_reads_them(fmt):
 
 
 def test_ustar_with_a_prefix_field_and_members_left_unread():
-    members = [("a" * 90 + "/" + "b" * 60 + f".{ext}", payload) for ext, payload in (("jpg", b"x" * 1000), ("cls", b"7"))]
+    members = [("a" * 90 + "/" + "b" * 60 + f".{ext}", payload)
+               for ext, payload in (("jpg", b"x" * 1000), ("cls", b"7"))]
     data = archive(tarfile.USTAR_FORMAT, members, directory=False)
     reader = TarReader(io.BytesIO(data))
     seen = []

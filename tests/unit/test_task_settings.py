@@ -179,7 +179,8 @@ def test_a_checkpoint_config_from_before_the_move_still_loads():
                        ratings_cache=True)
     cfg = from_dict(old, stored=True)
     validate(cfg)
-    assert (cfg.recommendation.embedding_dim, cfg.recommendation.split, cfg.recommendation.negatives) == (24, "random", 3)
+    section = cfg.recommendation
+    assert (section.embedding_dim, section.split, section.negatives) == (24, "random", 3)
     # An image checkpoint recorded the recommender's keys at their defaults: they are dropped.
     image = to_dict(load_config("debug"))
     image["model"]["embedding_dim"] = 32

@@ -39,7 +39,8 @@ def test_the_default_task_is_image_classification():
 
 
 def test_a_mistyped_task_name_is_refused_with_a_suggestion():
-    with pytest.raises(ConfigError, match=r"unknown task 'image_clasification' \(did you mean 'image_classification'\?\)"):
+    suggestion = r"unknown task 'image_clasification' \(did you mean 'image_classification'\?\)"
+    with pytest.raises(ConfigError, match=suggestion):
         load_config("debug", ["task=image_clasification"])
 
 

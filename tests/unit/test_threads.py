@@ -20,7 +20,8 @@ from hvdtrain.train.builders import thread_count
     (0, {}, None, 8, True, (8, "its affinity mask of 8 CPUs")),
     (0, {}, None, 8, None, (4, "the affinity mask's 8 CPUs / 2 ranks here")),
     (0, {"OMP_NUM_THREADS": "1"}, None, 64, None, (1, "OMP_NUM_THREADS=1")),
-    (0, {"OMP_NUM_THREADS": "x", "SLURM_CPUS_PER_TASK": "0"}, None, 64, None, (32, "the host's 64 CPUs / 2 ranks here")),
+    (0, {"OMP_NUM_THREADS": "x", "SLURM_CPUS_PER_TASK": "0"}, None, 64, None,
+     (32, "the host's 64 CPUs / 2 ranks here")),
 ])
 def test_the_thread_count_follows_the_allocation_before_the_host(configured, env, own, mask, launcher_bound, expected):
     assert thread_count(configured, env, own, mask, 64, 2, launcher_bound) == expected

@@ -83,7 +83,8 @@ def test_a_hanging_tracker_never_holds_the_training_thread(monkeypatch, tmp_path
     began = time.perf_counter()
     tracker.close("finished")
     assert time.perf_counter() - began < 5
-    assert any("values dropped (queue full)" in line and "not sent within 1 s (tracking.flush_seconds)" in line for line in lines), lines
+    assert any("values dropped (queue full)" in line and "not sent within 1 s (tracking.flush_seconds)" in line
+               for line in lines), lines
     Hanging.release.set()
     sent = [values for _, _, values in tracker.sender.backends[0].sent]
     assert sent[0] == {"train_step/loss": 0.5, "train_step/lr": 0.1, "train_step/samples_per_sec": sent[0][

@@ -238,9 +238,9 @@ def test_validation_past_the_limit_checkpoints_the_training_lists_the_files_and_
     assert line == (f"hvdtrain: validation data vanished: 9 of the 60 validation samples failed in epoch 2 (15.0%: "
                     f"9 missing; data.max_bad_fraction=0.01 allows 0); most in /d/val/c1/ (9); first missing: "
                     f"/d/val/c1/0.JPEG. Epoch 2's training is saved, not validated (its metrics would leave those "
-                    f"samples out), in {checkpoint}; the failed files are listed in {tmp_path / 'run' / 'bad_files.jsonl'}. "
-                    f"Restore the data (remount the volume), then run the same command: it resumes there and "
-                    f"validates epoch 2 again; or raise data.max_bad_fraction")
+                    f"samples out), in {checkpoint}; the failed files are listed in "
+                    f"{tmp_path / 'run' / 'bad_files.jsonl'}. Restore the data (remount the volume), then run the "
+                    f"same command: it resumes there and validates epoch 2 again; or raise data.max_bad_fraction")
     assert str(stop.value) == line and outcome.cause() == line
     listed = [json.loads(entry) for entry in (tmp_path / "run" / "bad_files.jsonl").read_text().splitlines()]
     assert [(e["epoch"], e["split"], e["reason"]) for e in listed] == [(1, "val", "missing")] * 9
@@ -275,9 +275,9 @@ def test_a_vanished_shard_stops_training_with_a_line_that_names_it(tmp_path, mon
                                         steps=12)
     line = capsys.readouterr().err.strip()
     assert line == (f"hvdtrain: training data vanished: shard /d/shards/train-000004.tar cannot be read (missing: "
-                    f"FileNotFoundError: No such file or directory), and epoch 1 needs it. Stopped before global step 9 "
-                    f"(epoch 1, step 9/12): the checkpoint of the last good step is {checkpoint}, the failed files are "
-                    f"listed in {tmp_path / 'run' / 'bad_files.jsonl'}. Restore the shards (remount the volume), then "
-                    f"run the same command to resume")
+                    f"FileNotFoundError: No such file or directory), and epoch 1 needs it. Stopped before global "
+                    f"step 9 (epoch 1, step 9/12): the checkpoint of the last good step is {checkpoint}, the failed "
+                    f"files are listed in {tmp_path / 'run' / 'bad_files.jsonl'}. Restore the shards (remount the "
+                    f"volume), then run the same command to resume")
     listed = [json.loads(entry) for entry in (tmp_path / "run" / "bad_files.jsonl").read_text().splitlines()]
     assert {e["path"] for e in listed} == {"/d/shards/train-000004.tar", "/d/shards/train-000001.tar:k9"}

@@ -222,7 +222,8 @@ def encode_index(fields: dict[str, Any], splits: dict[str, tuple[list[str], Sequ
     for name, (classes, paths, labels) in splits.items():
         names, starts, label_array = encode_split(paths, labels, len(classes))
         layout[name] = {"classes": list(classes), "count": len(starts) - 1, "names": [place(names), len(names)],
-                        "starts": [place(starts), starts.dtype.str], "labels": [place(label_array), label_array.dtype.str]}
+                        "starts": [place(starts), starts.dtype.str],
+                        "labels": [place(label_array), label_array.dtype.str]}
     digest = hashlib.sha256()
     for section in sections:
         digest.update(section)

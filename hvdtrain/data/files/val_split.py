@@ -71,7 +71,8 @@ def load_or_choose(index: FileIndex, fraction: float, seed: int, run_dir: Path,
                             f"the file (and the run's checkpoints) to split again")
         return payload["val"], f"validation split: {len(payload['val'])} files of train/ as recorded in {path}"
     val = choose(index.train, fraction, seed)
-    chosen = f"validation split: {len(val)} of {len(index.train)} files of train/ (data.val_fraction={fraction:g}, seed {seed})"
+    chosen = (f"validation split: {len(val)} of {len(index.train)} files of train/ (data.val_fraction={fraction:g}, "
+              f"seed {seed})")
     if not run_dir.is_dir() or folder_problem(run_dir, share) is not None:
         # Evaluation (setup made no folder: output.dir is what a checkpoint recorded) or a folder that
         # is not the user's: nothing is made or written there.

@@ -143,8 +143,8 @@ def parse_ratings(path: Path, fmt: str, on_bad_line: str = "fail",
                         problem = f"timestamp '{stamp[:20]}' is not an integer"
             if problem is not None:
                 if on_bad_line != "skip":
-                    raise DataError(f"{path}, line {number}: {problem} (fix the file, or set recommendation.on_bad_line=skip "
-                                    f"to skip such lines)")
+                    raise DataError(f"{path}, line {number}: {problem} (fix the file, or set "
+                                    f"recommendation.on_bad_line=skip to skip such lines)")
                 skipped += 1
                 if warn is not None and skipped <= 3:
                     warn(f"hvdtrain: skipping {path}, line {number}: {problem}")

@@ -290,5 +290,4 @@ def describe(manifest: Manifest) -> str:
             f"shards, one file opened per shard")
 
 
-__all__ = ["Manifest", "ShardStream", "ShardLoader", "read_manifest", "has_manifest", "shard_loaders",
-           "epoch_sequence", "buffer_order", "remaining_sequence", "rank_stream", "batches_of", "Segment"]
+__all__ = ["Manifest", "ShardStream", "ShardLoader", "shard_loaders", "buffer_order", "remaining_sequence", "Segment"]

@@ -32,17 +32,21 @@ MAX_MLP_WIDTH = 65536  # units in one NCF layer (He et al. 2017 use up to 256)
 @dataclass
 class RecommendationSettings:
     objective: Literal["explicit", "implicit"] = "explicit"
-    """explicit = predict ratings (MSE; RMSE, MAE); implicit = rated or not (BCE with sampled negatives; HR@10, NDCG@10)."""
+    """explicit = predict ratings (MSE; RMSE, MAE); implicit = rated or not (BCE with sampled negatives; HR@10,
+    NDCG@10)."""
     embedding_dim: int = 32
     """Factors per user and item (MF), the GMF branch's width (NCF)."""
     mlp_layers: str = "64,32,16"
     """NCF: MLP widths, the first = the two MLP embeddings concatenated."""
     embedding_l2: float = 0.0
-    """L2 penalty on the embedding rows and biases a batch uses, added to the loss (works with sparse gradients, unlike optim.weight_decay)."""
+    """L2 penalty on the embedding rows and biases a batch uses, added to the loss (works with sparse gradients, unlike
+    optim.weight_decay)."""
     sparse_embeddings: bool = False
-    """Embeddings produce sparse gradients, sent through Horovod's sparse path (allgather) unless dist.sparse_as_dense."""
+    """Embeddings produce sparse gradients, sent through Horovod's sparse path (allgather) unless
+    dist.sparse_as_dense."""
     split: Literal["leave_last_out", "random"] = "leave_last_out"
-    """Validation = each user's latest rating (leave_last_out, He et al. 2017) or a seeded random recommendation.split_fraction of the ratings."""
+    """Validation = each user's latest rating (leave_last_out, He et al. 2017) or a seeded random
+    recommendation.split_fraction of the ratings."""
     split_fraction: float = 0.1
     """recommendation.split=random: the fraction of ratings held out for validation."""
     negatives: int = 4
@@ -52,7 +56,8 @@ class RecommendationSettings:
     on_bad_line: Literal["fail", "skip"] = "fail"
     """A malformed ratings line: fail = stop, naming the file and line; skip = count and skip it."""
     ratings_cache: bool = True
-    """Cache the parsed and split ratings next to the source (or under $HVDTRAIN_CACHE); rebuilt when the source changes."""
+    """Cache the parsed and split ratings next to the source (or under $HVDTRAIN_CACHE); rebuilt when the source
+    changes."""
 
     def validate(self, cfg: Any) -> None:
         """Each problem in one line (config/load.py calls this after the core checks)."""

@@ -80,7 +80,8 @@ def bias_baseline(split: Split, mean: float) -> dict[str, float]:
     b_user, b_item = fit_biases(ratings.users[train], ratings.items[train], ratings.ratings[train],
                                 ratings.num_users, ratings.num_items, mean)
     error = mean + b_user[ratings.users[val]] + b_item[ratings.items[val]] - ratings.ratings[val].astype(np.float64)
-    return {"bias_baseline_rmse": float(np.sqrt(np.mean(error ** 2))), "bias_baseline_mae": float(np.mean(np.abs(error)))}
+    return {"bias_baseline_rmse": float(np.sqrt(np.mean(error ** 2))),
+            "bias_baseline_mae": float(np.mean(np.abs(error)))}
 
 
 def summarize_explicit(sums: torch.Tensor) -> dict[str, float]:
