@@ -69,6 +69,20 @@ def test_data_this_user_may_not_read_is_one_line(tmp_path, tiny_data, monkeypatc
     assert problems == [f"node0: {line}"]
 
 
+def test_a_data_dir_inside_a_folder_this_user_may_not_enter_is_one_line(tmp_path, monkeypatch):
+    # The folder's owner and mode come from environment.describe; the index's own describe (what rank 0
+    # broadcasts about an index) has the same name and once shadowed it here.
+    parent = tmp_path / "closed"
+    parent.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == parent else real_access(path, mode))
+    with pytest.raises(index.DataError) as refused:
+        index.check_layout(parent / "imagenet")
+    line = str(refused.value)
+    assert line.startswith("data.dir: this user (") and f"cannot enter '{parent}' (owned by " in line, line
+    assert line.endswith(f"so '{parent / 'imagenet'}' cannot be read: ask its owner for access") and "\n" not in line
+
+
 def test_a_permission_error_is_one_line_naming_the_file_and_its_owner(tmp_path):
     target = tmp_path / "ratings.csv"
     target.write_text("")

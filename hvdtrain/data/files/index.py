@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ...environment import describe, unreadable_line, user_name
+from ...environment import describe as describe_path
+from ...environment import unreadable_line, user_name
 from ...ownership import UnsafePath, own_folder
 from .file_list import Buffer, IntArray, PathArray, decode_index, encode_index, read_header, share_buffer
 
@@ -139,7 +140,8 @@ def check_layout(root: Path, splits: tuple[str, ...] = SPLITS) -> None:
     if not root.is_dir():
         if root.parent.is_dir() and not os.access(root.parent, os.X_OK):  # hidden, not missing: say so
             raise DataError(f"data.dir: this user ({user_name(os.geteuid())}) cannot enter '{root.parent}' "
-                            f"({describe(str(root.parent))}), so '{root}' cannot be read: ask its owner for access")
+                            f"({describe_path(str(root.parent))}), so '{root}' cannot be read: ask its owner for "
+                            f"access")
         raise LayoutError(f"data.dir '{root}' does not exist (set data.dir to a folder with train/ and val/)")
     problem = unreadable_problem(root, splits)
     if problem:
