@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "fit": "hvdtrain.api", "evaluate": "hvdtrain.api", "FitResult": "hvdtrain.api",
     "fit_model": "hvdtrain.simple", "ModelTask": "hvdtrain.simple",
-    "Config": "hvdtrain.config", "ConfigError": "hvdtrain.config", "load_config": "hvdtrain.config",
+    "Config": "hvdtrain.config", "ConfigError": "hvdtrain.config", "load_config": "hvdtrain.job_config",
     "Task": "hvdtrain.tasks", "DataEnv": "hvdtrain.tasks",
     "Loaders": "hvdtrain.data.loaders", "loader_kwargs": "hvdtrain.data.loaders",
     "ShardedSampler": "hvdtrain.data.sampler", "SeededSamples": "hvdtrain.data.sampler",

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 
 from . import outcome
 from .arguments import require_data_choice
-from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, load_config, to_dict, validate
+from .config import Config, ConfigError, apply_mapping, apply_override, from_dict, to_dict
 from .config.files import resolve_config_path
-from .config.load import resolve_output
+from .job_config import load_config, resolve_output, validate
 
 if TYPE_CHECKING:  # torch and the tasks load only when a run starts
     import torch
@@ -59,7 +59,7 @@ def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), tas
     # Validated once, at the end: the task's section is known only once ``task`` has had its say.
     config_name, from_file = None, None
     if isinstance(config, Config):
-        cfg = from_dict(to_dict(config), check=False)
+        cfg = from_dict(to_dict(config))
     elif isinstance(config, (str, Path)):
         cfg = load_config(str(config), check=False)
         config_name, from_file = resolve_config_path(str(config)).stem, cfg.output.dir

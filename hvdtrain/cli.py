@@ -17,8 +17,9 @@ from typing import Callable
 from . import environment, outcome
 from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
 from .comm import launcher_env as launcher
-from .config import PACKAGED_CONFIGS, dump_yaml, load_config
+from .config import PACKAGED_CONFIGS, dump_yaml
 from .fault import signals
+from .job_config import load_config
 
 
 def launcher_rank() -> int:

@@ -8,7 +8,7 @@ when the table there differs from table().
 
 from pathlib import Path
 
-from hvdtrain.config import describe_keys
+from hvdtrain.job_config import describe_keys
 
 START, END = "<!-- config-table:start -->", "<!-- config-table:end -->"
 CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"

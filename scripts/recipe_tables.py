@@ -26,7 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.config import PACKAGED_CONFIGS, Config, load_config
+from hvdtrain.config import PACKAGED_CONFIGS, Config
+from hvdtrain.job_config import load_config
 
 PUBLISHED = PACKAGED_CONFIGS / "published.json"
 IMAGENET_TRAIN = 1281167

@@ -11,7 +11,11 @@ key and what would have been valid.
                e.g. ``recommendation.embedding_dim``), and the keys that moved there
 - files.py     config files: shipped names, bounded safe YAML
 - checks.py    the core sections' checks, each one line
-- load.py      defaults < file < overrides, the task's section mounted, validated
+- load.py      defaults < file < overrides (``read_config``), the task's section mounted and every
+               section checked (``check_config``)
+
+The config imports no other part of hvdtrain (tests/unit/test_house_rules.py): a job's config, whose
+task section the tasks' registry names, is loaded by hvdtrain/job_config.py (``load_config``).
 """
 
 from .checks import UPPER_BOUNDS, float_pair, milestone_epochs, step_range, target_value, validates_after
@@ -20,14 +24,14 @@ from .keys import ConfigError
 from .load import (
     apply_mapping,
     apply_override,
+    check_config,
     describe_keys,
     dump_yaml,
     flatten,
     from_dict,
-    load_config,
     migrate_moved_keys,
+    read_config,
     to_dict,
-    validate,
 )
 from .root import MOVED_KEYS, Config, config_type, task_section
 from .run_sections import (
@@ -42,8 +46,8 @@ from .run_sections import (
 )
 from .sections import AmpConfig, AugmentConfig, DataConfig, EmaConfig, EvalConfig, ModelConfig, OptimConfig, TrainConfig
 
-__all__ = ["Config", "ConfigError", "load_config", "apply_override", "apply_mapping", "from_dict", "to_dict",
-           "dump_yaml", "validate", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range",
+__all__ = ["Config", "ConfigError", "read_config", "check_config", "apply_override", "apply_mapping", "from_dict",
+           "to_dict", "dump_yaml", "flatten", "describe_keys", "float_pair", "milestone_epochs", "step_range",
            "target_value", "validates_after", "PACKAGED_CONFIGS", "UPPER_BOUNDS", "MAX_CONFIG_BYTES",
            "MAX_CONFIG_DEPTH", "MOVED_KEYS", "config_type", "task_section", "migrate_moved_keys", "read_config_file",
            "resolve_config_path", "AmpConfig", "AugmentConfig", "CheckpointConfig", "DataConfig", "DistConfig",

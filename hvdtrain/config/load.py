@@ -1,11 +1,15 @@
 """Building a config: defaults < YAML file < ``key=value`` overrides, then the task's own section.
 
 A config is built in two steps. The core sections (config/sections.py, run_sections.py) take their
-keys at once; keys of any other top-level section wait, because which section is valid depends on
-the task, and the task may be named last (``task=`` on the command line, or by the caller of ``evaluate``). Then
-``validate`` mounts the task's section (``Task.settings`` under the task's ``name``: tasks/registry.py
-says which class a ``task`` value names), sets the waiting keys on it, and checks the core sections
-and the task's. A key in no section stops with one line that names the valid keys.
+keys at once (``read_config``); keys of any other top-level section wait, because which section is
+valid depends on the task, and the task may be named last (``task=`` on the command line, or by
+the caller of ``evaluate``). Then ``check_config`` mounts the task's section (``Task.settings``
+under the task's ``name``), sets the waiting keys on it, and checks the core sections and the
+task's. A key in no section stops with one line that names the valid keys.
+
+Which section a task owns is the tasks' knowledge (tasks/registry.py), and the config imports no
+other part of hvdtrain: hvdtrain/job_config.py asks the registry and calls ``check_config``
+(``load_config``, ``validate``).
 
 A config recorded by an earlier run (a checkpoint's, config.yaml) is read with ``stored=True``: keys
 that have moved into a task's section since are carried over, and nothing is imported until the
@@ -16,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
-from ..train.run_folder import resolve_output_dir
+from ..redact import mask_values
 from .checks import check_core
 from .files import read_config_file, resolve_config_path
 from .keys import ConfigError, field_types, set_key, type_name
@@ -47,41 +51,24 @@ def apply_override(cfg: Config, text: str) -> None:
     set_key(cfg, key.strip(), value.strip(), from_text=True)
 
 
-def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                check: bool = True) -> Config:
-    """Defaults, then the YAML file, then the overrides; the task's section mounted; validated.
-    ``check=False`` leaves the last two to the caller, who may name the task yet (api.build_config)."""
+def read_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file, then the overrides; not yet checked (``check_config``: the
+    caller may name the task yet, api.build_config)."""
     cfg = Config()
-    config_name = None
     if config_file:
         path = resolve_config_path(config_file)
-        config_name = path.stem
         apply_mapping(cfg, read_config_file(path), source=str(path))
-    from_file = cfg.output.dir
     for override in overrides:
         apply_override(cfg, override)
-    if check:
-        resolve_output(cfg, config_name, from_file=config_file is not None and cfg.output.dir == from_file
-                       and not any(text.split("=", 1)[0].strip() == "output.dir" for text in overrides))
-        validate(cfg)
     return cfg
 
 
-def resolve_output(cfg: Config, config_name: str | None, from_file: bool) -> None:
-    """``output.dir`` for this job (train/run_folder.py): the default folder for ``auto``, and a
-    folder of the job's own inside one a config file names, under a scheduler."""
-    cfg.output.dir = resolve_output_dir(cfg.output.dir, config_name=config_name,
-                                        from_file=from_file and cfg.output.dir != "auto")
-
-
-def validate(cfg: Config) -> None:
-    """Mount the task's own section (``cfg.task`` decides which), then check every section, each
-    problem in one line. ``cfg`` keeps its identity: a task that declares settings turns it into
-    the config class that carries them (sections.config_type)."""
-    from ..tasks import registry  # the task classes; the tasks import the config, not the reverse
-
-    section, settings = registry.settings_of(cfg.task)
-    bind_section(cfg, section, settings, known_tasks=registry.TASKS)
+def check_config(cfg: Config, section: str, settings: type | None, known_tasks: Iterable[str] = ()) -> None:
+    """Mount the task's own section (``section``, of the dataclass ``settings``; "" and None where the
+    task declares none), then check every section, each problem in one line. ``cfg`` keeps its
+    identity: a task that declares settings turns it into the config class that carries them
+    (root.config_type). ``known_tasks``: the shipped tasks, whose sections a misplaced key may name."""
+    bind_section(cfg, section, settings, known_tasks=known_tasks)
     check_core(cfg)
     if section:
         check = getattr(getattr(cfg, section), "validate", None)
@@ -106,15 +93,13 @@ def migrate_moved_keys(mapping: dict[str, Any]) -> dict[str, Any]:
     return mapping
 
 
-def from_dict(mapping: dict[str, Any], stored: bool = False, check: bool = True) -> Config:
-    """A config from a nested mapping. ``stored``: a config an earlier run recorded (a checkpoint's):
-    moved keys are carried over, and the task's section waits for ``validate``, which the caller runs
-    once it has named the task it trusts (no code a checkpoint names is imported). ``check=False``
-    leaves ``validate`` to the caller too."""
+def from_dict(mapping: dict[str, Any], stored: bool = False) -> Config:
+    """A config from a nested mapping, not yet checked: the task's section waits for ``check_config``
+    (job_config.validate), which the caller runs once it has named the task it trusts (no code a
+    checkpoint names is imported). ``stored``: a config an earlier run recorded (a checkpoint's):
+    moved keys are carried over."""
     cfg = Config()
     apply_mapping(cfg, migrate_moved_keys(mapping) if stored else mapping)
-    if check and not stored:
-        validate(cfg)
     return cfg
 
 
@@ -136,14 +121,13 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 def dump_yaml(cfg: Config) -> str:
     """The config as YAML for people and files (--print-config, config.yaml): a password in a URL
     shows as *** (redact.py)."""
-    from ..redact import mask_values
-
     return yaml.safe_dump(mask_values(to_dict(cfg)), sort_keys=False)
 
 
-def describe_keys(with_tasks: bool = True) -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, doc) for every core key and, with ``with_tasks``, every key of the shipped
-    tasks' own sections (``recommendation.embedding_dim``): docs/config.md is generated from this."""
+def describe_keys(sections: Iterable[tuple[str, type]] = ()) -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, doc) for every core key and every key of the given task sections
+    ((section, settings dataclass): ``recommendation.embedding_dim``); job_config.describe_keys
+    adds the shipped tasks' for docs/config.md."""
     import ast
 
     rows = []
@@ -168,15 +152,10 @@ def describe_keys(with_tasks: bool = True) -> list[tuple[str, str, Any, str]]:
                 rows.append((f"{prefix}{name}", type_name(tp), value, docs.get(name, "")))
 
     walk(Config, "", Config())
-    if with_tasks:
-        from ..tasks import registry
-
-        for name in registry.TASKS:
-            section, settings = registry.settings_of(name)
-            if section:
-                walk(settings, f"{section}.", settings())
+    for section, settings in sections:
+        walk(settings, f"{section}.", settings())
     return rows
 
 
-__all__ = ["apply_mapping", "apply_override", "load_config", "validate", "from_dict", "to_dict", "dump_yaml",
+__all__ = ["apply_mapping", "apply_override", "read_config", "check_config", "from_dict", "to_dict", "dump_yaml",
            "flatten", "describe_keys", "migrate_moved_keys", "task_section", "resolve_config_path"]

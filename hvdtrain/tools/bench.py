@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..config import Config, load_config
+from ..config import Config
+from ..job_config import load_config
 from ..observe.phases import LABELS
 
 # Two-sided 95% quantiles of Student's t distribution by degrees of freedom (1..30).

@@ -21,11 +21,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import AugmentConfig, ConfigError, load_config
+from ..config import AugmentConfig, ConfigError
 from ..data import DataError
 from ..data.image.decode import IMAGENET_MEAN, IMAGENET_STD
 from ..data.image.folder import ImageFiles, collate
 from ..data.loaders import loader_kwargs
+from ..job_config import load_config
 from ..tasks.image_classification import file_datasets
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"

@@ -47,7 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError
+from ..job_config import load_config
 from . import doctor_checks as checks
 from .allreduce import bench, print_bandwidth, run_bench
 from .allreduce_slurm import NotStarted, gloo_rank_env, launch_line, local_addresses, run_srun_bench

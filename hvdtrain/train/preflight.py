@@ -54,7 +54,7 @@ def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -
     config whose task is not a shipped one is left to the ranks (its module may be importable only
     where they run: another PYTHONPATH, files on the compute nodes)."""
     from ..arguments import require_data_choice, train_parser
-    from ..config import load_config
+    from ..job_config import load_config
     from ..tasks.registry import TASKS
 
     args = train_parser(prog).parse_args(train_args)

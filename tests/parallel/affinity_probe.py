@@ -14,7 +14,7 @@ import time
 import torch
 
 from hvdtrain.comm import dist
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.train.run import setup
 
 cfg = load_config(None, ["data.synthetic=true", "model.arch=resnet18", "data.image_size=32", "train.batch_size=4",

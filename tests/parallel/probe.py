@@ -14,7 +14,7 @@ from hvdtrain.api import run_training
 from hvdtrain.cli import train_parser
 from hvdtrain.comm import dist
 from hvdtrain.comm import launcher_env as launcher
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.model.build import unwrap_state_dict
 from hvdtrain.train.stops import Preempted
 

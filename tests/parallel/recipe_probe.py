@@ -19,7 +19,7 @@ import torch
 from hvdtrain.api import run_training
 from hvdtrain.cli import train_parser
 from hvdtrain.comm import dist
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.model.build import unwrap_state_dict
 
 

@@ -138,7 +138,8 @@ def test_validation_on_three_ranks_counts_every_row_once(work):
     train = [r for r in read_metrics(run_dir) if r["split"] == "train"][-1]
     assert (val["samples"], train["samples"]) == (101, 12 * 3 * 16)
     # The same checkpoint scored here, in one process, row by row.
-    from hvdtrain.config import from_dict, validate
+    from hvdtrain.config import from_dict
+    from hvdtrain.job_config import validate
     from hvdtrain.tasks import task_class
 
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from hvdtrain import cli
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 
 COMMANDS = ["train", "evaluate", "bench", "bench-data", "report", "doctor", "prepare", "ray", "launch", "slurm-script"]
 

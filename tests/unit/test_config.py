@@ -1,7 +1,8 @@
 import pytest
 import yaml
 
-from hvdtrain.config import Config, ConfigError, describe_keys, dump_yaml, from_dict, load_config
+from hvdtrain.config import Config, ConfigError, dump_yaml, from_dict
+from hvdtrain.job_config import describe_keys, load_config
 
 
 def write(tmp_path, text):

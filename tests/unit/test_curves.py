@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.observe.metrics import MetricSums, MetricsWriter, StepCurves
 from hvdtrain.tasks.image_classification import summarize
 from hvdtrain.train.trainer import Progress

@@ -18,11 +18,12 @@ from PIL import Image
 os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")  # as hvdtrain sets it before it imports nvImageCodec
 pytest.importorskip("nvidia.nvimgcodec", reason="the gpudecode extra (nvImageCodec) is not installed")
 
-from hvdtrain.config import ConfigError, load_config  # noqa: E402
+from hvdtrain.config import ConfigError
 from hvdtrain.data.image.device_decode import DeviceDecoder, EncodedBatch, Planned, plan_transforms  # noqa: E402
 from hvdtrain.data.image.folder import ImageFiles, collate  # noqa: E402
 from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_transform  # noqa: E402
 from hvdtrain.data.sampler import SeededSamples  # noqa: E402
+from hvdtrain.job_config import load_config
 
 CPU = torch.device("cpu")
 

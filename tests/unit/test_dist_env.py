@@ -9,7 +9,8 @@ import torch
 
 from hvdtrain.comm import dist, horovod_env
 from hvdtrain.comm.buckets import gradient_buckets
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
+from hvdtrain.job_config import load_config
 from hvdtrain.train import builders
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.model.build import build_model
 from hvdtrain.tools import doctor_checks as checks
 from hvdtrain.tools.doctor import Host

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hvdtrain.comm import dist
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 
 COLLECTIVES = ("allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
                "grouped_allreduce_", "allgather", "allgather_object", "broadcast", "broadcast_",

@@ -2,7 +2,8 @@
 
 import pytest
 
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
+from hvdtrain.job_config import load_config
 
 
 def test_mid_epoch_checkpoints_are_refused_in_elastic_runs():

@@ -18,11 +18,12 @@ import torch
 from PIL import Image
 from torchvision import models
 
-from hvdtrain.config import AugmentConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, load_config
+from hvdtrain.config import AugmentConfig, ConfigError, DataConfig, ModelConfig, OptimConfig
 from hvdtrain.data.demo import generate
 from hvdtrain.data.files.index import DataError
 from hvdtrain.data.image.crops import CenterCrop, FlipOnly, PadCrop, TrainCrop
 from hvdtrain.data.image.transforms import fast_train_transform
+from hvdtrain.job_config import load_config
 from hvdtrain.model.build import classifier_name
 from hvdtrain.model.finetune import (
     WeightsError,

@@ -14,11 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from hvdtrain.config import MAX_CONFIG_BYTES, UPPER_BOUNDS, ConfigError, DataConfig, load_config
+from hvdtrain.config import MAX_CONFIG_BYTES, UPPER_BOUNDS, ConfigError, DataConfig
 from hvdtrain.data.image.crops import CenterCrop, TrainCrop
 from hvdtrain.data.image.decode import DEFAULT_MAX_PIXELS, BadImage
 from hvdtrain.data.image.folder import BadFileError, CountingLoader, ImageFiles, collate
 from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_transform
+from hvdtrain.job_config import load_config
 from hvdtrain.tools.doctor import DoctorError, parse_hosts, read_hostfile, ssh_command
 
 REPO = Path(__file__).resolve().parents[2]

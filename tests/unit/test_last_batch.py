@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
 from hvdtrain.data.loaders import Loaders
 from hvdtrain.data.sampler import ShardedSampler
+from hvdtrain.job_config import load_config
 from hvdtrain.tasks import DataEnv
 from hvdtrain.tasks.image_classification import ImageClassification
 from hvdtrain.train.builders import last_batch_note

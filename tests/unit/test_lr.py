@@ -142,7 +142,8 @@ def test_step_schedule_after_a_warmup_counts_epochs_from_zero():
     (["optim.schedule=poly", "optim.step_gamma=0.5"], "optim.step_gamma is a setting of the step schedule"),
 ])
 def test_bad_step_settings_get_one_line(overrides, words):
-    from hvdtrain.config import ConfigError, load_config
+    from hvdtrain.config import ConfigError
+    from hvdtrain.job_config import load_config
 
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)

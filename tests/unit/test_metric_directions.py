@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hvdtrain.config import ConfigError, load_config, target_value
+from hvdtrain.config import ConfigError, target_value
+from hvdtrain.job_config import load_config
 from hvdtrain.tasks import Task, metric_direction, metric_directions
 from hvdtrain.tasks.image_classification import ImageClassification
 from hvdtrain.tasks.recommendation.task import Recommendation

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
 from hvdtrain.data import DataError
 from hvdtrain.data.ratings.batches import ImplicitPairs, PairSet, RankedCandidates
 from hvdtrain.data.ratings.movielens import (
@@ -23,6 +23,7 @@ from hvdtrain.data.ratings.movielens import (
     split_mask,
     write_ratings_csv,
 )
+from hvdtrain.job_config import load_config
 from hvdtrain.tasks.recommendation.task import (
     IdMap,
     Recommendation,

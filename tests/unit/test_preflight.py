@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from hvdtrain import cli
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
+from hvdtrain.job_config import load_config
 from hvdtrain.train.preflight import check_before_launch, hvdtrain_train_args
 
 NO_NAME = ["optim.no_decay=names", "optim.no_decay_names=bn,batchnorm"]

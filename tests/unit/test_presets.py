@@ -26,7 +26,6 @@ from hvdtrain.config import (
     DataConfig,
     ModelConfig,
     OptimConfig,
-    load_config,
     validates_after,
 )
 from hvdtrain.data.image.crops import CenterCrop
@@ -40,6 +39,7 @@ from hvdtrain.data.image.policies import (
     timm_op_argument,
 )
 from hvdtrain.data.image.transforms import fast_eval_transform, val_resize_size
+from hvdtrain.job_config import load_config
 from hvdtrain.model.build import BlurPoolConv2d, build_model
 from hvdtrain.optim.build import LRSchedule, build_optimizer, decay_exempt, lr_at, param_groups
 from hvdtrain.optim.lars_lamb import LAMB, LARS

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvdtrain.config import PACKAGED_CONFIGS, AugmentConfig, ConfigError, EmaConfig, OptimConfig, load_config
+from hvdtrain.config import PACKAGED_CONFIGS, AugmentConfig, ConfigError, EmaConfig, OptimConfig
 from hvdtrain.data.image.mixing import BatchMix, MixDraw, cutmix_draw
 from hvdtrain.data.image.policies import Augmented, policy_ops
 from hvdtrain.data.image.resolution import resolution_at
 from hvdtrain.data.sampler import SeededSamples
+from hvdtrain.job_config import load_config
 from hvdtrain.optim.build import LRSchedule, build_optimizer, lr_at
 from hvdtrain.optim.ema import ModelEma, ema_decay
 from hvdtrain.optim.lars_lamb import LAMB, LARS

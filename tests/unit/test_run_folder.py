@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.config import PACKAGED_CONFIGS, load_config
+from hvdtrain.config import PACKAGED_CONFIGS
 from hvdtrain.config.files import read_config_file
+from hvdtrain.job_config import load_config
 from hvdtrain.launch.job import Job, current
 from hvdtrain.observe.metrics import MetricsWriter
 from hvdtrain.train import run_folder

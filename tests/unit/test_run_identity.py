@@ -1,7 +1,8 @@
 """Which differences between a checkpoint's config and this run's refuse a resume."""
 
 from hvdtrain.checkpoint.identity import differences, refusal
-from hvdtrain.config import load_config, to_dict
+from hvdtrain.config import to_dict
+from hvdtrain.job_config import load_config
 
 
 def test_meaning_keys_refuse_and_the_rest_may_change():

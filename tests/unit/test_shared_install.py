@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.launch import horovodrun as launch
 from hvdtrain.train import run_folder
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import IterableDataset, TensorDataset
 
-from hvdtrain.config import Config, ConfigError, OptimConfig, validate
+from hvdtrain.config import Config, ConfigError, OptimConfig
 from hvdtrain.data.sampler import IndexedSamples, SeededSamples, sample_seed
+from hvdtrain.job_config import validate
 from hvdtrain.observe.metrics import last_epoch_records
 from hvdtrain.optim.build import LRSchedule, lr_at
 from hvdtrain.simple import DEFAULTS, ModelTask, optimizer_settings, short_path_config

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
 from hvdtrain.fault.preemption import StopRequest
 from hvdtrain.fault.spot import Aws, NoticeWatcher, Unreachable
+from hvdtrain.job_config import load_config
 from tests.metadata_server import AWS_TOKEN, free_port, metadata_server
 
 NOTICES = {

@@ -14,18 +14,9 @@ import textwrap
 import pytest
 import yaml
 
-from hvdtrain.config import (
-    MOVED_KEYS,
-    Config,
-    ConfigError,
-    describe_keys,
-    dump_yaml,
-    from_dict,
-    load_config,
-    to_dict,
-    validate,
-)
+from hvdtrain.config import MOVED_KEYS, Config, ConfigError, dump_yaml, from_dict, to_dict
 from hvdtrain.config.root import CORE_SECTIONS
+from hvdtrain.job_config import describe_keys, load_config, validate
 from hvdtrain.tasks import registry
 from tests.helpers import REPO
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
 from hvdtrain.data.loaders import Loaders
+from hvdtrain.job_config import load_config
 from hvdtrain.tasks import Task, task_class
 from hvdtrain.tasks.image_classification import ImageClassification
 from tests.unit.test_engine import Regression

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from hvdtrain.config import ConfigError, load_config
+from hvdtrain.config import ConfigError
+from hvdtrain.job_config import load_config
 from hvdtrain.observe import tracking, tracking_sender
 from hvdtrain.observe.metrics import MetricSums
 
@@ -95,7 +96,7 @@ SENDER_SCRIPT = """
 import os, sys, torch
 from pathlib import Path
 from hvdtrain.observe import tracking, tracking_sender
-from hvdtrain.config import load_config
+from hvdtrain.job_config import load_config
 from hvdtrain.observe.metrics import MetricSums
 run_dir = Path(sys.argv[1])
 cfg = load_config("debug", ["tracking.every_steps=2", "tracking.mlflow.enabled=true",

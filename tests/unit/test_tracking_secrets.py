@@ -20,7 +20,8 @@ import torch
 
 from hvdtrain import cli
 from hvdtrain.checkpoint.io import CheckpointSaver
-from hvdtrain.config import dump_yaml, load_config, to_dict
+from hvdtrain.config import dump_yaml, to_dict
+from hvdtrain.job_config import load_config
 from hvdtrain.observe import tracking
 from hvdtrain.redact import mask_text, mask_values
 

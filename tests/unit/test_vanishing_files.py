@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdtrain.config import ConfigError, DataConfig, load_config
+from hvdtrain.config import ConfigError, DataConfig
 from hvdtrain.data.demo import generate
 from hvdtrain.data.files.bad_files import (
     BadFile,
@@ -29,6 +29,7 @@ from hvdtrain.data.image.folder import MAX_REPLACEMENTS, CountingLoader, ImageFi
 from hvdtrain.data.image.transforms import fast_train_transform
 from hvdtrain.data.shards.manifest import FORMAT, read_manifest
 from hvdtrain.fault.bad_data import BadFilesLog, DataGuard
+from hvdtrain.job_config import load_config
 from hvdtrain.train.engine import DeviceBatches
 
 
