@@ -162,10 +162,11 @@ def shared(root: Path, cache: Path | None, rank: int):
     import inspect
 
     from hvdtrain.comm import dist
-    from hvdtrain.data.files.index import shared_index
+    from hvdtrain.data.files.shared_index import shared_index
 
     extra = {}
-    if "allgather" in inspect.signature(shared_index).parameters:  # absent from the older JSON-index code this compares against
+    # allgather is absent from the older JSON-index code this compares against
+    if "allgather" in inspect.signature(shared_index).parameters:
         extra["allgather"] = dist.allgather
     return shared_index(root, cache, rank == 0, dist.broadcast_object, **extra)
 
@@ -194,7 +195,7 @@ def child_loader(args: argparse.Namespace) -> dict:
     from torch.utils.data import DataLoader
 
     from hvdtrain.config import DataConfig
-    from hvdtrain.data.files.index import shared_index
+    from hvdtrain.data.files.shared_index import shared_index
     from hvdtrain.data.image.folder import ImageFiles, collate
     from hvdtrain.data.image.transforms import fast_train_transform
     from hvdtrain.data.loaders import loader_kwargs, shutdown_workers

@@ -172,7 +172,7 @@ def evaluate_checkpoint_file(path: Path, overrides: Iterable[str] | Mapping[str,
     name a task of one's own in the caller's terms."""
     cfg = checkpoint_config(path, overrides, task, how=how)
     check_task(cfg)
-    from .train.run import evaluate_checkpoint
+    from .train.resume import evaluate_checkpoint
 
     return evaluate_checkpoint(cfg, path)
 

@@ -41,7 +41,8 @@ from ..observe.metrics import MetricSums
 from ..optim.build import LRSchedule
 from ..ownership import PRIVATE, open_append
 from ..train.outputs import Outputs
-from ..train.run import Run, log, resume
+from ..train.resume import resume
+from ..train.run import Run, log
 from ..train.state import RunState
 
 

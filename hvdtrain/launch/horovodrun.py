@@ -20,35 +20,37 @@ the ranks' codes and need none of this.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import json
 import os
-import re
 import secrets
-import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
-from typing import IO
 
 from ..fault import signals
 from ..train.preflight import check_train_args, hvdtrain_train_args
-from .records import RECORD, RECORDS_VARIABLE, TOKEN_VARIABLE, exit_record, read_record_files, record_exit  # noqa: F401
+from .forwarding import RANK_VARIABLES, Forwarder, disposition, local_ranks  # noqa: F401
+from .records import (  # noqa: F401 - the records' names, here where they have always been found
+    MEANINGS,
+    MPIRUN_ABORT,
+    RECORD,
+    RECORDS_VARIABLE,
+    TOKEN_VARIABLE,
+    Output,
+    chosen_record,
+    exit_record,
+    first_process,
+    is_rule,
+    merged,
+    outcome,
+    read_record_files,
+    record_exit,
+)
 
-MEANINGS = {
-    1: "a crash",
-    2: "bad configuration or data",
-    65: "data files vanished (see bad_files.jsonl in output.dir): restore them, then run the same command",
-    74: "a checkpoint did not fit on its disk: free space, then run the same command",
-    75: "stopped after a checkpoint: run the same command to resume",
-    130: "interrupted",
-}
 USAGE = """usage: python -m hvdtrain launch [horovodrun arguments] COMMAND ...
 
 Runs horovodrun with these arguments, unchanged, and returns the ranks' exit code instead of
@@ -60,142 +62,6 @@ waits for a second host unless --network-interfaces is given).
 example:
   python -m hvdtrain launch -np 2 -H node0:1,node1:1 python -m hvdtrain --config cfg.yaml
 """
-
-
-def merged(records: list[dict], from_files: list[dict]) -> list[dict]:
-    """The records of the output, then those only a file brought (one per rank)."""
-    seen = {record["rank"] for record in records}
-    return records + [record for record in from_files if record["rank"] not in seen]
-
-
-# mpirun's closing block when a rank exits with a non-zero code ("... Per user-direction, the job has
-# been aborted.", "mpirun detected that one or more processes exited with non-zero status ..."):
-# where a rank recorded its cause, hvdtrain's own last line says it in one line instead.
-MPIRUN_ABORT = ("Per user-direction, the job has been aborted",
-                "detected that one or more processes exited with non-zero status")
-
-
-def is_rule(line: str) -> bool:
-    """mpirun frames its messages with a line of dashes."""
-    return re.fullmatch(r"-{20,}", line.strip()) is not None
-
-
-class Output:
-    """Copies one of horovodrun's streams to ours, line by line, minus the ranks' exit records,
-    horovodrun's closing traceback and mpirun's abort blocks; collects the records (shared by both
-    streams' threads)."""
-
-    def __init__(self, token: str, records: list[dict], lock: threading.Lock):
-        self.marker = f"{RECORD} {token} "
-        self.records, self.lock = records, lock
-        self.launcher_error: list[str] = []  # horovodrun's own traceback, held back
-        self.abort_blocks: list[str] = []  # mpirun's, held back (main prints them where no rank said why)
-
-    def copy(self, source: IO[bytes], sink: IO[str]) -> None:
-        held: str | None = None
-        block: list[str] | None = None
-        for raw in iter(source.readline, b""):
-            line = raw.decode(errors="replace")
-            if self.marker in line:
-                self.take_record(line)
-                continue
-            if self.launcher_error:
-                self.launcher_error.append(line)
-                continue
-            if block is not None:
-                block.append(line)
-                if is_rule(line) and len(block) > 1:
-                    self.end_block(block, sink)
-                    block = None
-                continue
-            if held is not None:
-                # horovodrun's own traceback opens with its script's frame; a rank's opens with its own.
-                if re.search(r'File ".*/horovodrun", line', line):
-                    self.launcher_error = [held, line]
-                    held = None
-                    continue
-                sink.write(held)
-                held = None
-            if line.rstrip("\r\n") == "Traceback (most recent call last):":
-                held = line
-                continue
-            if is_rule(line):
-                block = [line]
-                continue
-            sink.write(line)
-            sink.flush()
-        if held is not None:
-            sink.write(held)
-        if block is not None:
-            sink.write("".join(block))
-        sink.flush()
-
-    def end_block(self, block: list[str], sink: IO[str]) -> None:
-        text = "".join(block)
-        if any(words in " ".join(text.split()) for words in MPIRUN_ABORT):
-            self.abort_blocks.append(text)
-            return
-        sink.write(text)
-        sink.flush()
-
-    def take_record(self, line: str) -> None:
-        try:
-            # raw_decode: mpirun's --tag-output may have put its tag after the JSON on the same line
-            record, _ = json.JSONDecoder().raw_decode(line.split(self.marker, 1)[1])
-            record = {"rank": int(record["rank"]), "code": int(record["code"]), "cause": str(record["cause"])}
-        except (ValueError, KeyError, TypeError, IndexError):
-            return
-        with self.lock:
-            self.records.append(record)
-
-
-def first_process(launcher_error: list[str]) -> tuple[int | None, int | None]:
-    """(rank, code) of the first failed process as horovodrun's closing error names it, if it does."""
-    text = "".join(launcher_error)
-    name = re.search(r"Process name:\s+(\d+)", text)
-    code = re.search(r"Exit code:\s+(-?\d+)", text) or re.search(r"mpirun failed with exit code (-?\d+)", text)
-    return (int(name.group(1)) if name else None), (int(code.group(1)) if code else None)
-
-
-def chosen_record(records: list[dict]) -> dict | None:
-    """The record whose code and cause the job reports: the first rank that named a cause (ranks
-    that only followed it, a lost peer, name none); where all that named one agree on the code (a
-    stop every rank made), rank 0's, which names what rank 0 alone knows (the checkpoint it wrote)."""
-    named = [r for r in records if r["cause"]]
-    if not named:
-        return records[0] if records else None
-    if len({r["code"] for r in named}) == 1:
-        return min(named, key=lambda r: r["rank"])
-    return named[0]
-
-
-def outcome(returncode: int, records: list[dict], launcher_error: list[str]) -> tuple[int, str]:
-    """The code to return and the last line to print."""
-    if returncode == 0 and not records:
-        return 0, ""
-    if not records and not launcher_error:  # mpirun's own code (horovodrun --mpi becomes mpirun), or a usage error
-        return returncode, f"hvdtrain launch: exit {returncode}: no rank recorded a cause: see the output above"
-    chosen = chosen_record(records)
-    if chosen is not None:
-        code = chosen["code"]
-        meaning = MEANINGS.get(code, f"exit code {code}")
-        return code, f"hvdtrain launch: exit {code} ({meaning}), rank {chosen['rank']}: {chosen['cause']}"
-    rank, code = first_process(launcher_error)
-    where = f"rank {rank}" if rank is not None else "a rank"
-    if code is not None and (code < 0 or 128 < code <= 128 + 64):  # ended by a signal (-N, or the shell's 128 + N)
-        number = -code if code < 0 else code - 128
-        name = signal.Signals(number).name if number in {s.value for s in signal.Signals} else f"signal {number}"
-        return 128 + number, (f"hvdtrain launch: exit {128 + number}: {where} was killed by {name} (out of memory, "
-                              f"or ended from outside): see its output above")
-    if code is not None and code > 0:  # a rank that left without a record: its code is still the job's
-        meaning = MEANINGS.get(code, f"exit code {code}")
-        return code, (f"hvdtrain launch: exit {code} ({meaning}), {where}: it recorded no cause "
-                      "(a crash before hvdtrain started, or a program that is not hvdtrain's CLI): "
-                      "see its output above")
-    line = f"hvdtrain launch: exit 1 (a crash): {where} failed without an hvdtrain exit record: see its output above"
-    if launcher_error:
-        line += f"; horovodrun said: {launcher_error[-1].strip()[:300]}"
-    return 1, line
 
 
 class LaunchError(Exception):
@@ -268,49 +134,6 @@ def without_home_cache(argv: list[str], home: str | None = None) -> tuple[list[s
             f"(--disable-cache; they run again at each start)")
 
 
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")  # set by horovodrun --gloo, by mpirun
-
-
-def local_ranks(launcher_pid: int, token: str) -> dict[int, tuple[int, str]]:
-    """The job's ranks on this host, with their loader workers (which ignore stop signals) and any
-    shell a rank was started through: the launcher's descendants whose environment has the job's
-    token and a rank variable, as pid -> (parent pid, rank). horovodrun, its shell and mpirun carry
-    the token but no rank variable."""
-    import psutil  # Horovod's own dependency; main() imports it before any signal can come
-
-    try:
-        children = psutil.Process(launcher_pid).children(recursive=True)
-    except psutil.Error:
-        return {}
-    found = {}
-    for child in children:
-        try:
-            environ = child.environ()
-            parent = child.ppid()
-        except psutil.Error:
-            continue
-        rank = next((environ[name] for name in RANK_VARIABLES if name in environ), None)
-        if environ.get(TOKEN_VARIABLE) == token and rank is not None:
-            found[child.pid] = (parent, rank)
-    return found
-
-
-def disposition(pid: int, signum: int, proc: Path = Path("/proc")) -> str:
-    """What process ``pid`` does with ``signum`` now: ``caught`` (a handler), ``ignored`` or
-    ``default`` (ends on it), from ``SigCgt``/``SigIgn`` of its status. A rank just started is still
-    importing Python, and hvdtrain's handler comes with its first line (fault/signals.py). A
-    process that is gone counts as ``caught``: nothing to wait for."""
-    try:
-        status = (proc / str(pid) / "status").read_text()
-    except OSError:
-        return "caught"
-    masks = dict(re.findall(r"^(SigCgt|SigIgn):\s*([0-9a-fA-F]+)$", status, re.MULTILINE))
-    bit = 1 << (signum - 1)
-    if int(masks.get("SigCgt", "0"), 16) & bit:
-        return "caught"
-    return "ignored" if int(masks.get("SigIgn", "0"), 16) & bit else "default"
-
-
 def host_slots(argv: list[str]) -> list[tuple[str, int]] | None:
     """The hosts horovodrun starts ranks on, in order, with their slots (-H, --hosts, --hostfile);
     None where a discovery script decides; no option: this host (horovodrun's default, localhost)."""
@@ -350,115 +173,6 @@ def ranks_expected_here(argv: list[str]) -> int | None:
         if is_this_host(host):
             here += taken
     return here
-
-
-class Forwarder:
-    """Hands a stop signal the launcher gets (a scheduler's, a batch script's) to this host's ranks,
-    which agree on it with the others and checkpoint: horovodrun would end them instead (under
-    mpirun within a second, under Gloo within 5 s). With no rank on this host, horovodrun gets it.
-
-    The handler only writes the signal's number into a pipe; a thread of its own does the rest.
-    A second signal while the first is handled (a batch shell and its helper step both passing
-    one on, ``scontrol requeue``) is absorbed: the ranks are stopping already; but a second Ctrl-C
-    interrupts at once, as it does a single process (exit 130). Ranks still starting
-    get the signal once all of this host's have started and catch it (``disposition``): until then
-    it would end them, and one that has not started would only hear of the stop from the others."""
-
-    READY_WAIT_SECONDS = 30.0  # a program that never catches it (not hvdtrain's CLI) gets it then
-
-    def __init__(self, job: subprocess.Popen, token: str, expected_here: int | None) -> None:
-        self.job, self.token, self.expected_here = job, token, expected_here
-        self.ranks_here = expected_here is None or expected_here > 0
-        self.read_end, self.write_end = os.pipe()
-        self.first: int | None = None
-        self.thread = threading.Thread(target=self.run, name="hvdtrain-launch-forward", daemon=True)
-
-    def handler(self, signum: int, _frame) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self.write_end, bytes([signum]))
-
-    def start(self) -> "Forwarder":
-        self.thread.start()
-        return self
-
-    def run(self) -> None:
-        while True:
-            signum = self.next_signal(None)
-            if signum is None:
-                return
-            if self.first is None:
-                self.first = signum
-                self.deliver(signum)
-            else:
-                self.again(signum)
-
-    def next_signal(self, timeout: float | None) -> int | None:
-        """The next signal the handler wrote (None: none within ``timeout``, or the pipe closed)."""
-        if timeout is not None and not select.select([self.read_end], [], [], timeout)[0]:
-            return None
-        try:
-            data = os.read(self.read_end, 1)
-        except OSError:
-            return None
-        return data[0] if data else None
-
-    def again(self, signum: int) -> None:
-        """A signal after the first: absorbed, but for a second Ctrl-C, which interrupts at once
-        (the ranks' own second SIGINT, and horovodrun's: exit 130, no checkpoint)."""
-        if signum == signal.SIGINT and self.first == signal.SIGINT and self.job.poll() is None:
-            self.kill(list(local_ranks(self.job.pid, self.token)), signum)
-            with contextlib.suppress(OSError):
-                self.job.send_signal(signum)
-
-    def deliver(self, signum: int) -> None:
-        """Once every rank here catches ``signum`` (the innermost processes of the ranks' trees: a
-        shell a rank runs under waits for its Python), it goes to the processes that catch it; a
-        shell is left alone (ending it would end its rank)."""
-        deadline = time.monotonic() + self.READY_WAIT_SECONDS
-        while self.job.poll() is None:
-            ranks = local_ranks(self.job.pid, self.token) if self.ranks_here else {}
-            parents = {parent for parent, _ in ranks.values()}
-            innermost = [pid for pid in ranks if pid not in parents]
-            started = len({rank for _, rank in ranks.values()})
-            # Whether a rank is ready is read from SIGTERM, whatever the signal: hvdtrain catches the
-            # stop signals together on its first line, while Python catches SIGINT from its own start
-            # (KeyboardInterrupt, which would end a rank still importing).
-            if innermost and started >= (self.expected_here or 1) \
-                    and all(self.ready(pid, ranks, signal.SIGTERM) for pid in innermost):
-                self.kill([pid for pid in ranks if disposition(pid, signal.SIGTERM) == "caught"], signum)
-                return
-            if not self.ranks_here or time.monotonic() > deadline:
-                self.kill(list(ranks), signum)
-                if not ranks:
-                    with contextlib.suppress(OSError):
-                        self.job.send_signal(signum)
-                return
-            later = self.next_signal(0.05)  # ranks still starting: /proc says when they catch it
-            if later is not None:
-                self.again(later)
-                if later == signal.SIGINT and self.first == signal.SIGINT:
-                    return
-
-    @staticmethod
-    def ready(pid: int, ranks: dict[int, tuple[int, str]], signum: int) -> bool:
-        """A rank's process catches the signal; a loader worker (a rank's child) ignores it while
-        its rank catches it."""
-        here = disposition(pid, signum)
-        if here == "caught":
-            return True
-        parent = ranks[pid][0]
-        return here == "ignored" and parent in ranks and disposition(parent, signum) == "caught"
-
-    @staticmethod
-    def kill(pids: list[int], signum: int) -> None:
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signum)
-
-    def close(self) -> None:
-        os.close(self.write_end)
-        self.thread.join(timeout=5)
-        os.close(self.read_end)
 
 
 def stop_before_start() -> str | None:

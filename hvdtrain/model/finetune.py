@@ -10,7 +10,7 @@ classifier head.
   key), a ``.safetensors`` file, or an hvdtrain checkpoint.
   Files are read with ``weights_only=True`` (nothing but tensors and plain values is unpickled).
 * Rank 0 loads them into its freshly built model on a fresh run (never over a checkpoint being
-  resumed); the broadcast of the initial state in ``run.resume`` gives every rank
+  resumed); the broadcast of the initial state in ``resume.resume`` gives every rank
   the same parameters. Every tensor whose name and shape match is loaded; the classifier head is
   kept freshly initialized when its shape differs (another number of classes); any other tensor
   that does not fit stops the run with one line (a file of another architecture).

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from ..config import Config, ConfigError
 from ..data.demo import ensure_demo_dataset
 from ..data.files.file_list import host_budget
-from ..data.files.index import FileIndex, shared_index
+from ..data.files.index import FileIndex
+from ..data.files.shared_index import shared_index
 from ..data.files.val_split import shared_split
 from ..data.image.device_decode import DeviceDecoder, EncodedBatch, choose, plan_transforms
 from ..data.image.folder import CountingLoader, ImageFiles, collate
@@ -289,7 +290,7 @@ class ImageClassification(Task):
         return {} if self.shard_stream is None else {"shard_loader": self.shard_stream}
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        # The class folders, in label order: a resume where one has vanished stops (run.resume).
+        # The class folders, in label order: a resume where one has vanished stops (resume.resume).
         classes = {"classes": list(self.index.train.classes)} if self.index is not None else {}
         return {"arch": self.cfg.model.arch, "num_classes": self.num_classes, **classes}
 

@@ -68,7 +68,8 @@ def synchronize(device: torch.device) -> None:
 
 def run_bench(cfg: Config, warmup_steps: int, steps: int, repeats: int) -> dict[str, Any]:
     """Run the benchmark on this rank; every rank returns the same summary."""
-    from ..train.run import release, resume, setup
+    from ..train.resume import resume
+    from ..train.run import release, setup
 
     run = setup(cfg, claim_folder=False)
     try:

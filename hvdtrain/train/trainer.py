@@ -58,7 +58,8 @@ from ..fault.preemption import StopRequest
 from ..observe.metrics import MetricSums, last_epoch_records
 from .engine import Epoch
 from .outputs import Outputs, end_epoch, finish, stop_for_preemption
-from .run import Run, log, release, resume, setup
+from .resume import resume
+from .run import Run, log, release, setup
 from .save import audit_ranks, save_checkpoint
 from .stops import lost_rank
 

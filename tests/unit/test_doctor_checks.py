@@ -270,7 +270,8 @@ def test_the_doctor_checks_the_runs_folders_and_a_package_the_host_lacks(tmp_pat
     (broken / "simplejpeg" / "__init__.py").write_text("raise ImportError('libturbojpeg.so.0: cannot open')\n")
     bad = run_doctor(tmp_path, "-H", "localhost:1", "--skip-bench", env={"PYTHONPATH": str(broken)})
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    installed = Path(PYTHON).parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "simplejpeg"
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    installed = Path(PYTHON).parent.parent / "lib" / python / "site-packages" / "simplejpeg"
     assert bad.stderr.splitlines() == [
         f"hvdtrain doctor: localhost: module 'simplejpeg' is shadowed by {broken / 'simplejpeg' / '__init__.py'} (on "
         f"PYTHONPATH), which hides the installed {installed}: rename it, or take {broken} off PYTHONPATH"], bad.stderr
