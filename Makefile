@@ -8,7 +8,7 @@ NP ?= 2
 PYTEST_ARGS ?=
 EXTRAS ?=
 
-.PHONY: setup demo test test-fast image test-image test-unit bench clean
+.PHONY: setup demo lint test test-fast image test-image test-unit bench clean
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (pyproject.toml's optional-dependencies, pinned).
 setup:
@@ -22,8 +22,15 @@ demo: setup
 # signal's round trip) the other computes. A test file stays on one worker, tests/multinode on one.
 TEST_WORKERS ?= 2
 
+# The house rules a tool keeps: ruff's lint (pyproject.toml, [tool.ruff]) before any test; the
+# module-size and layering contracts are unit tests (tests/unit/test_module_size.py, test_layers.py).
+# ruff comes with the test extra (scripts/test-deps.sh), as pytest-xdist does.
+lint: setup
+	$(VENV)/bin/ruff check .
+
 test: setup
 	@VENV="$(VENV)" bash scripts/test-deps.sh
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The docker image built for real with podman (offline Debian base, the host's CA bundle as a build
@@ -41,7 +48,7 @@ bench: setup
 	$(PY) benchmarks/compare.py $(ARGS)
 
 # The edit-run loop: the unit tests and one launched smoke test (train, checkpoint, resume, compare).
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest tests/unit tests/parallel/test_smoke.py -m "not slow" -n $(TEST_WORKERS) --dist loadgroup \
 		$(PYTEST_ARGS)
 
