@@ -26,7 +26,7 @@ from ..tasks import metric_direction
 from .engine import evaluate
 from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
 from .run_folder import FIX
-from .save import DiskFull, audit_ranks, save_checkpoint
+from .save import DiskFullStop, audit_ranks, save_checkpoint
 from .stops import NoProgress, Preempted
 
 
@@ -117,10 +117,10 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     audit_ranks(run, f"the end of epoch {epoch + 1} (global step {state.position.step})", floating_buffers=True)
     if not validates_after(run.cfg, epoch):  # eval.every_epochs: checkpoint and log the training part only
         state.position.start_epoch(epoch + 1)
-        stopped: DiskFull | None = None
+        stopped: DiskFullStop | None = None
         try:
             path = save_checkpoint(run, outputs.saver, audited=True, must=epoch + 1 >= run.cfg.train.epochs)
-        except DiskFull as full:  # the epoch's record and line first
+        except DiskFullStop as full:  # the epoch's record and line first
             path, stopped = None, full
         if outputs.writer is not None:
             record = {"split": "train", "epoch": epoch, "step": state.position.step,
@@ -155,11 +155,11 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     is_best = is_better(task, val_metrics[name], state.best_metric, name)
     if is_best:
         state.best_metric = val_metrics[name]
-    stopped: DiskFull | None = None
+    stopped: DiskFullStop | None = None
     try:
         path = save_checkpoint(run, outputs.saver, is_best=is_best, audited=True,
                                must=epoch + 1 >= run.cfg.train.epochs)
-    except DiskFull as full:  # the epoch's records and line first: its results are not lost with it
+    except DiskFullStop as full:  # the epoch's records and line first: its results are not lost with it
         path, stopped = None, full
     step = state.position.step
     if outputs.writer is not None:

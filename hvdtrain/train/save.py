@@ -53,9 +53,10 @@ def audit_ranks(run: Run, where: str, floating_buffers: bool = False) -> None:
                    speak=dist.is_primary())
 
 
-class DiskFull(JobStopped):
-    """A checkpoint that had to be written did not fit (the last epoch's, or a stop's): the job ends
-    with exit code 74 (EX_IOERR), which says to a scheduler that a retry as it is will not help."""
+class DiskFullStop(JobStopped):
+    """The job's stop because a checkpoint that had to be written did not fit (the last epoch's, or a
+    stop's; rank 0's writer raised checkpoint.DiskFull): every rank ends with exit code 74 (EX_IOERR),
+    which says to a scheduler that a retry as it is will not help."""
 
     exit_code = outcome.EXIT_DISK_FULL
 
@@ -68,7 +69,7 @@ def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best:
     A checkpoint that does not fit on its file system (checkpoint.DiskFull) is said in one line,
     and nothing is lost: the older checkpoints stay as they were. Training goes on and the next
     checkpoint tries again, unless this one is the last chance (``must``: the final epoch's, or a
-    stop's), which ends the job on every rank with DiskFull (exit code 74)."""
+    stop's), which ends the job on every rank with DiskFullStop (exit code 74)."""
     if run.settings.guard is not None:
         run.settings.guard.check()  # a checkpoint is never written of a diverged state
     if not audited:
@@ -90,6 +91,6 @@ def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best:
             problem = dist.broadcast_object(problem, name="hvdtrain.checkpoint.io.problem")
     if problem:
         if must:
-            raise DiskFull(f"hvdtrain: {problem}", speak=dist.is_primary())
+            raise DiskFullStop(f"hvdtrain: {problem}", speak=dist.is_primary())
         log(f"hvdtrain: warning: {problem}; training goes on and the next checkpoint tries again")
     return path

@@ -106,3 +106,16 @@ def test_metrics_that_cannot_be_written_cost_records_not_the_run(tmp_path, capsy
     assert len(err) == 2 and "writing metrics.jsonl" in err[0] and "No space left on device" in err[0]
     assert err[1] == f"hvdtrain: warning: 2 record(s) could not be written to metrics.jsonl in {tmp_path}"
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 4]
+
+
+def test_the_writers_full_disk_and_the_jobs_stop_are_two_classes_and_the_stop_exits_74():
+    # checkpoint.DiskFull: the writer's error (an OSError, ENOSPC), which training survives unless the
+    # checkpoint had to be written; save.DiskFullStop: the job's stop then, on every rank, exit 74.
+    from hvdtrain import outcome
+    from hvdtrain.train.guard import JobStopped
+    from hvdtrain.train.save import DiskFullStop
+
+    assert issubclass(checkpoint.DiskFull, OSError) and not issubclass(checkpoint.DiskFull, JobStopped)
+    assert issubclass(DiskFullStop, JobStopped) and not issubclass(DiskFullStop, OSError)
+    assert DiskFullStop.__name__ != checkpoint.DiskFull.__name__
+    assert outcome.stop_code(DiskFullStop("hvdtrain: no space", speak=True)) == outcome.EXIT_DISK_FULL == 74
