@@ -1,5 +1,7 @@
 """The train command's arguments: ``python -m hvdtrain`` (cli.py) parses them, and the Ray driver
-(launch/ray.py) checks them before it starts a single rank."""
+(launch/ray.py) checks them before it starts a single rank. The commands' names (``SUMMARIES``)
+and what tells a command from train arguments live here too, for the launchers' checks
+(train/preflight.py), which must not import the CLI that imports them."""
 
 from __future__ import annotations
 
@@ -42,3 +44,29 @@ def require_data_choice(config_file: str | None, cfg: Config) -> None:
     raise UsageError("no data chosen: add --config demo (the built-in demo) or --config imagenet_resnet50 "
                      "data.dir=/path/to/imagenet (your data); without either this would train ResNet-50 for "
                      "90 epochs on the demo images")
+
+
+# The commands of ``python -m hvdtrain`` (cli.py's COMMANDS runs them), each with its line of --help.
+SUMMARIES: dict[str, str] = {
+    "train": "train a model (the default command)",
+    "evaluate": "validation loss, top-1 and top-5 of a checkpoint, as one JSON line",
+    "bench": "training throughput of the real training step on synthetic data",
+    "bench-data": "images per second of the training input pipeline alone",
+    "report": "PNG plots and a text summary of a run's metrics.jsonl",
+    "doctor": "check that hosts can train together (versions, packages, Horovod build, folders) and time allreduce",
+    "prepare": "convert an ImageFolder into tar shards (WebDataset format) for training from shards or S3",
+    "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
+    "launch": "horovodrun with the ranks' exit code (75, 2, 1) and the cause as its last line",
+    "slurm-script": "print a Slurm batch script of your own for this install (> my.sbatch)",
+}
+HELP_WORDS = ("-h", "--help", "help")
+
+
+def looks_like_command(word: str) -> bool:
+    """Whether a first argument that is no command was meant as one.
+
+    Train arguments come without a command name, so only a bare word can be a mistyped command:
+    options start with '-', overrides hold '=' and config keys and file names hold '.' or '/'
+    (a key without '=' gets the override's own error, which says more than 'unknown command').
+    """
+    return bool(word) and not word.startswith("-") and not any(mark in word for mark in "=./")

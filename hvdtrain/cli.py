@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 from . import environment, outcome
-from .arguments import CONFIG_DOC, UsageError, require_data_choice, train_parser
+from .arguments import (
+    CONFIG_DOC,
+    HELP_WORDS,
+    SUMMARIES,
+    UsageError,
+    looks_like_command,
+    require_data_choice,
+    train_parser,
+)
 from .comm import launcher_env as launcher
 from .config import PACKAGED_CONFIGS, dump_yaml
 from .fault import signals
@@ -125,19 +133,6 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
-SUMMARIES: dict[str, str] = {
-    "train": "train a model (the default command)",
-    "evaluate": "validation loss, top-1 and top-5 of a checkpoint, as one JSON line",
-    "bench": "training throughput of the real training step on synthetic data",
-    "bench-data": "images per second of the training input pipeline alone",
-    "report": "PNG plots and a text summary of a run's metrics.jsonl",
-    "doctor": "check that hosts can train together (versions, packages, Horovod build, folders) and time allreduce",
-    "prepare": "convert an ImageFolder into tar shards (WebDataset format) for training from shards or S3",
-    "ray": "run a training job on a Ray cluster, one actor per rank (the ray extra)",
-    "launch": "horovodrun with the ranks' exit code (75, 2, 1) and the cause as its last line",
-    "slurm-script": "print a Slurm batch script of your own for this install (> my.sbatch)",
-}
-HELP_WORDS = ("-h", "--help", "help")
 
 
 def overview() -> str:
@@ -192,16 +187,6 @@ def unknown_command(word: str) -> str:
     if close:
         return f"unknown command '{word}' (did you mean '{close[0]}'?)"
     return f"unknown command '{word}' (commands: {', '.join(COMMANDS)}; see python -m hvdtrain --help)"
-
-
-def looks_like_command(word: str) -> bool:
-    """Whether a first argument that is no command was meant as one.
-
-    Train arguments come without a command name, so only a bare word can be a mistyped command:
-    options start with '-', overrides hold '=' and config keys and file names hold '.' or '/'
-    (a key without '=' gets the override's own error, which says more than 'unknown command').
-    """
-    return bool(word) and not word.startswith("-") and not any(mark in word for mark in "=./")
 
 
 def pick_command(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]]:

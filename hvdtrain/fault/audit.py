@@ -19,10 +19,11 @@ the epoch end averages them: they are left out then.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
 from ..comm import dist
-from ..train.state import RunState
 
 # Integer types of the same width as each element size: a tensor's bits are viewed through them.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -47,7 +48,18 @@ def number_print(value: float | int | bool) -> int:
     return int(torch.tensor(float(value), dtype=torch.float64).view(torch.int64))
 
 
-def fingerprint(state: RunState, floating_buffers: bool) -> tuple[list[str], torch.Tensor]:
+class AuditedState(Protocol):
+    """What the audit reads of a run's state (train/state.py's RunState has it; the audit, below the
+    training loop, does not import it): the model, its optimizer, the GradScaler (None without AMP)
+    and the position (``epoch``, ``step``, ``step_in_epoch``, ``samples_in_epoch``)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    position: Any
+
+
+def fingerprint(state: AuditedState, floating_buffers: bool) -> tuple[list[str], torch.Tensor]:
     """(names, int64 fingerprints): parameters, buffers (floating ones only with
     ``floating_buffers``), optimizer state tensors and hyperparameters, GradScaler state, position."""
     names: list[str] = []
@@ -104,7 +116,7 @@ def compare(names: list[str], gathered: list[torch.Tensor]) -> tuple[str, list[i
     return names[first], ranks, int(differing.sum())
 
 
-def audit(state: RunState, where: str, floating_buffers: bool) -> str | None:
+def audit(state: AuditedState, where: str, floating_buffers: bool) -> str | None:
     """Compare every rank's state with rank 0's (a collective: every rank calls it at the same point).
 
     Returns None when the ranks agree, else the one line that names the first difference (the same

@@ -126,7 +126,7 @@ class Epoch:
         position = state.position
         self.start = time.perf_counter()
         # A loader that counts its bad files has one step's batches taken ahead, so that the ranks
-        # agree on a stop for vanished data before the step that would train on it (fault/bad_data.py).
+        # agree on a stop for vanished data before the step that would train on it (train/bad_data.py).
         # One whose position counts the batches taken (tar shards) holds them itself: read and counted,
         # but not taken, so that a checkpoint at a stop counts only the batches trained on.
         count = (steps - position.step_in_epoch) * settings.backward_passes_per_step
@@ -316,7 +316,7 @@ def batch_seed(seed: int, epoch: int, step: int, pass_index: int, rank: int) -> 
 def add_bad_files(metrics: dict, batches: Iterable, allreduce_sum: AllreduceSum) -> None:
     """The distinct files that failed in this pass over every rank, per reason (``bad_files``,
     ``bad_files_missing``, ...), for loaders that count them (``pop_epoch()``); the whole
-    bad_files.Summary stays in the loader's ``last_summary`` for fault/bad_data.py. Every rank has the
+    bad_files.Summary stays in the loader's ``last_summary`` for train/bad_data.py. Every rank has the
     same kind of loader, so every rank takes part in these collectives or none does."""
     pop_epoch = getattr(batches, "pop_epoch", None)
     if pop_epoch is not None:

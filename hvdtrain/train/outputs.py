@@ -1,5 +1,5 @@
 """The end of an epoch and of a run: rank 0's writers (metrics.jsonl, tensorboard, checkpoints, trackers),
-validation with the EMA (stopped where too many validation files failed: fault/bad_data.py), best.pt and
+validation with the EMA (stopped where too many validation files failed: train/bad_data.py), best.pt and
 train.target, the epoch line, and the checkpointed stops.
 """
 
@@ -14,7 +14,6 @@ from ..comm.dist import log
 from ..config import ConfigError, dump_yaml, target_value, validates_after
 from ..data.loaders import shutdown_workers
 from ..fault import attempts, signals
-from ..fault.bad_data import check_validation
 from ..fault.preemption import StopRequest
 from ..launch.job import current as current_job
 from ..observe import tracking
@@ -23,6 +22,7 @@ from ..observe.rank_logs import write_host_map
 from ..observe.report import add_rank_report
 from ..ownership import own_folder, write_atomic
 from ..tasks import metric_direction
+from .bad_data import check_validation
 from .engine import evaluate
 from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
 from .run_folder import FIX

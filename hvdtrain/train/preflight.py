@@ -77,10 +77,10 @@ def hvdtrain_train_args(command: list[str]) -> list[str] | None:
         rest = command[1:]
     else:
         return None
-    from ..cli import COMMANDS, HELP_WORDS, looks_like_command
+    from ..arguments import HELP_WORDS, SUMMARIES, looks_like_command
 
     if rest and rest[0] == "train":
         return rest[1:]
-    if rest and (rest[0] in COMMANDS or rest[0] in HELP_WORDS or looks_like_command(rest[0])):
+    if rest and (rest[0] in SUMMARIES or rest[0] in HELP_WORDS or looks_like_command(rest[0])):
         return None
     return rest

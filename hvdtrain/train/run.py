@@ -2,7 +2,7 @@
 finishing an epoch, checkpointing, and the two ways a run stops early (``Preempted``, ``LostRank``).
 
 ``setup`` is a row of small builders (train/builders.py). Neither loop is imported here: train/trainer.py and
-fault/elastic.py both import this module.
+train/elastic.py both import this module.
 """
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ from ..comm import dist
 from ..config import Config
 from ..data.sampler import ShardedSampler
 from ..fault import attempts, signals
-from ..fault.bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from ..fault.preemption import StopRequest
 from ..observe.metrics import MetricSums, last_epoch_records
+from .bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
 from .engine import Epoch
 from .outputs import Outputs, end_epoch, finish, stop_for_preemption
 from .resume import resume
@@ -147,7 +147,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         if cfg.elastic.enabled:
-            from ..fault.elastic import Elastic
+            from .elastic import Elastic
 
             self.membership: Any = Elastic()
         else:

@@ -13,7 +13,7 @@ import torch
 
 from hvdtrain.checkpoint import io as checkpoint
 from hvdtrain.comm import dist
-from hvdtrain.fault.elastic import ElasticState
+from hvdtrain.train.elastic import ElasticState
 from hvdtrain.train.state import RunState
 
 

@@ -24,7 +24,7 @@ def elastic_config(data, run_dir):
 
 def newcomer_start(cfg):
     """What a joining worker runs before ``Elastic.run`` (trainer.Trainer.fit)."""
-    from hvdtrain.fault.elastic import Elastic
+    from hvdtrain.train.elastic import Elastic
     from hvdtrain.train.outputs import finish
     from hvdtrain.train.run import setup
 

@@ -28,8 +28,8 @@ from hvdtrain.data.files.index import DataError, build_index
 from hvdtrain.data.image.folder import MAX_REPLACEMENTS, CountingLoader, ImageFiles, collate
 from hvdtrain.data.image.transforms import fast_train_transform
 from hvdtrain.data.shards.manifest import FORMAT, read_manifest
-from hvdtrain.fault.bad_data import BadFilesLog, DataGuard
 from hvdtrain.job_config import load_config
+from hvdtrain.train.bad_data import BadFilesLog, DataGuard
 from hvdtrain.train.engine import DeviceBatches
 
 

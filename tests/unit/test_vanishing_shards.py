@@ -25,7 +25,7 @@ from hvdtrain.data.image.transforms import fast_eval_transform, fast_train_trans
 from hvdtrain.data.shards import loader as shards
 from hvdtrain.data.shards.manifest import join, read_manifest
 from hvdtrain.data.shards.order import epoch_sequence
-from hvdtrain.fault import bad_data
+from hvdtrain.train import bad_data
 from hvdtrain.train.engine import Epoch
 
 BATCH = 4

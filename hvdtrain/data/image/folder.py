@@ -11,7 +11,7 @@ A file that fails is missing, unreadable or undecodable (data/files/bad_files.py
 named in a warning by each rank; each epoch counts its distinct failed files (a sample's own file,
 not the replacement candidates tried for it) over every rank, per reason, into the epoch metrics
 (``bad_files``); the trainer stops a run whose share passes ``data.max_bad_fraction``
-(fault/bad_data.py). With ``data.on_bad_file=fail`` the first bad file stops the run with one line naming it.
+(train/bad_data.py). With ``data.on_bad_file=fail`` the first bad file stops the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class ImageFiles(Dataset):
                 bad.append(BadFile(f"{self.split_dir}/{self.paths[current]}", failure.reason, failure.detail,
                                    own=attempt == 0, row_end=self.replace_bad and attempt == attempts - 1))
         # Training: no readable file in MAX_REPLACEMENTS tries (a whole folder gone). The sample is
-        # left out of its batch, and the trainer stops before training that batch (fault/bad_data.py).
+        # left out of its batch, and the trainer stops before training that batch (train/bad_data.py).
         return None, int(self.labels[index]), bad
 
 

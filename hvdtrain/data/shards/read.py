@@ -5,7 +5,7 @@ Shards that vanish mid-run (a volume unmounted, a file deleted, EIO, a shard cut
 that cannot be opened or read stands in for each of its records still wanted (``ShardFailure``),
 and reading goes on with the next shard. In validation those records are dropped and counted as
 missing (``<shard>:#<record in shard>``), so a pass that loses more than ``data.max_bad_fraction``
-of the split stops the run (fault/bad_data.py). In training a batch cannot be made without them:
+of the split stops the run (train/bad_data.py). In training a batch cannot be made without them:
 the worker sends, in that batch's place, a *hole*, an empty batch whose one record names the
 shard (``BadFile(shard=True, row_end=True)``), and sends nothing after it. The ranks must stop
 *before* the step that would take the hole, at the same step, and the checkpoint of that stop must
@@ -121,7 +121,7 @@ def read_records(root: str, split: Split, ids: np.ndarray, wanted: set[int]
 
 def hole(failure: ShardFailure) -> tuple[torch.Tensor, torch.Tensor, list[BadFile]]:
     """A training batch that needed a shard that cannot be read: no images, and one record naming
-    the shard, which stops the run before the step that would take it (fault/bad_data.py)."""
+    the shard, which stops the run before the step that would take it (train/bad_data.py)."""
     return (torch.empty((0, 3, 1, 1), dtype=torch.uint8), torch.empty(0, dtype=torch.long),
             [BadFile(failure.path, failure.reason, failure.detail, own=True, row_end=True, shard=True)])
 

@@ -40,10 +40,10 @@ from ..config import Config, ConfigError
 from ..observe.metrics import MetricSums
 from ..optim.build import LRSchedule
 from ..ownership import PRIVATE, open_append
-from ..train.outputs import Outputs
-from ..train.resume import resume
-from ..train.run import Run, log
-from ..train.state import RunState
+from .outputs import Outputs
+from .resume import resume
+from .run import Run, log
+from .state import RunState
 
 
 class SampleLog:

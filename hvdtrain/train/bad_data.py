@@ -45,9 +45,9 @@ from ..comm import dist
 from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit, validation_over_limit
 from ..data.image.folder import MAX_REPLACEMENTS
 from ..ownership import PRIVATE, UnsafePath, open_append, own_folder
-from ..train.guard import JobStopped
-from ..train.run import Run, log
-from ..train.save import save_checkpoint
+from .guard import JobStopped
+from .run import Run, log
+from .save import save_checkpoint
 
 # The run's train.outputs.Outputs is handed in (typed Any): train/outputs.py calls check_validation,
 # so this module does not import it.
