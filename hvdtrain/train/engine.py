@@ -105,8 +105,7 @@ class Epoch:
     caller runs one at a time and does its own work between (the engine calls nothing back)::
 
         epoch = Epoch(state, settings, batches, steps, allreduce_sum, sums)
-        for _ in epoch:          # one optimizer step per iteration
-            ...                  # the caller's checkpoints, progress, commits; epoch.stop() ends it
+        epoch.run(after_step, should_stop)   # the caller's checkpoints, progress, commits; its stops
         metrics = epoch.metrics()
 
     Each step consumes ``backward_passes_per_step`` batches; the caller's work between steps counts
@@ -151,6 +150,20 @@ class Epoch:
     def stop(self) -> None:
         """End the epoch before its next step (a stop the ranks agreed on: every rank calls it alike)."""
         self.stopped = True
+
+    def run(self, after_step: Callable[[], None] | None = None,
+            should_stop: Callable[[bool], bool] | None = None) -> None:
+        """The epoch's steps as a run takes them (the trainer's loop): ``after_step`` after every step
+        (checkpoints, progress, commits); ``should_stop(first)`` at every step boundary with steps
+        left, ``first`` before the first step, which must give the same answer on every rank and ends
+        the epoch (``stop``). ``metrics()`` follows."""
+        if should_stop is not None and self.remaining > 0 and should_stop(True):
+            self.stop()
+        for _ in self:
+            if after_step is not None:
+                after_step()
+            if should_stop is not None and self.remaining > 0 and should_stop(False):
+                self.stop()
 
     def __iter__(self) -> Iterator[None]:
         clock = self.clock
@@ -206,20 +219,6 @@ class Epoch:
                        stopped=self.stopped, rank_phases=self.clock.summary())
         add_bad_files(metrics, self.batches, allreduce_sum)
         return metrics
-
-
-def train_one_epoch(state: RunState, settings: StepSettings, batches: Iterable[Any], steps: int,
-                    allreduce_sum: AllreduceSum, should_stop: Callable[[], bool] | None = None,
-                    sums: MetricSums | None = None) -> dict[str, Any]:
-    """An ``Epoch`` run straight through (benchmarks and tests): ``should_stop`` is asked at every step
-    boundary (it must give the same answer on every rank) and ends the epoch early."""
-    epoch = Epoch(state, settings, batches, steps, allreduce_sum, sums)
-    if should_stop is not None and epoch.remaining > 0 and should_stop():
-        epoch.stop()
-    for _ in epoch:
-        if should_stop is not None and epoch.remaining > 0 and should_stop():
-            epoch.stop()
-    return epoch.metrics()
 
 
 class DeviceBatches:

@@ -234,12 +234,8 @@ class Trainer:
             if guard is not None:
                 guard.start_epoch(steps * run.global_batch)
             steps_of = Epoch(run.state, run.settings, loaders.train, steps, dist.allreduce_sum, sums)
-            if steps_of.remaining > 0 and self.stop_agreed():
-                steps_of.stop()
-            for _ in steps_of:
-                self.after_step(out, sums, progress)
-                if steps_of.remaining > 0 and self.stop_agreed(wait=self.stop_waits):
-                    steps_of.stop()
+            steps_of.run(after_step=lambda: self.after_step(out, sums, progress),
+                         should_stop=lambda first: self.stop_agreed(wait=True if first else self.stop_waits))
             # An answer still on its way is read here, so that none is in flight past the steps; a
             # stop it says is agreed again at the next boundary (the signal stays recorded).
             self.stop.settle()

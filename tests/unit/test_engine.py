@@ -12,7 +12,7 @@ from hvdtrain.comm import dist
 from hvdtrain.config import Config
 from hvdtrain.optim.build import LRSchedule
 from hvdtrain.tasks import Task
-from hvdtrain.train.engine import StepSettings, evaluate, train_one_epoch
+from hvdtrain.train.engine import Epoch, StepSettings, evaluate
 from hvdtrain.train.state import RunState
 
 LR = 0.05
@@ -86,6 +86,14 @@ def by_hand(model: torch.nn.Module, groups: list[list[tuple[torch.Tensor, torch.
     return model
 
 
+def train_epoch(state, settings, data, steps, allreduce_sum, should_stop=None) -> dict:
+    """An epoch as the trainer runs one (``Epoch.run``, the loop production runs take), then its
+    metrics; ``should_stop`` is asked at every step boundary with steps left."""
+    epoch = Epoch(state, settings, data, steps, allreduce_sum)
+    epoch.run(should_stop=(lambda first: should_stop()) if should_stop is not None else None)
+    return epoch.metrics()
+
+
 def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
     for (name, x), y in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14, msg=name)
@@ -95,7 +103,7 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def test_steps_and_metrics_match_sgd_by_hand(distributed):
     state, settings = make(distributed=distributed)
     expected = by_hand(state.model, [[b] for b in batches(3)])
-    metrics = train_one_epoch(state, settings, batches(3), 3, dist.allreduce_sum if distributed else lambda t: t)
+    metrics = train_epoch(state, settings, batches(3), 3, dist.allreduce_sum if distributed else lambda t: t)
     assert_same(state.model, expected)
     assert (state.position.step, state.position.step_in_epoch, metrics["steps"]) == (3, 3, 3)
     assert metrics["samples"] == 12 and metrics["stopped"] is False
@@ -104,23 +112,23 @@ def test_steps_and_metrics_match_sgd_by_hand(distributed):
 
 def test_every_step_run_is_timed_by_phase():
     state, settings = make()
-    phases = train_one_epoch(state, settings, batches(3), 3, lambda t: t)["rank_phases"]
+    phases = train_epoch(state, settings, batches(3), 3, lambda t: t)["rank_phases"]
     assert phases["steps"] == 3
     assert set(phases) == {"data", "compute", "allreduce", "optimizer", "other", "steps"}
     assert all(phases[p] >= 0 for p in phases) and phases["compute"] > 0
     settings.phase_timing = False
     state.position.step_in_epoch = 0
-    assert train_one_epoch(state, settings, batches(3), 3, lambda t: t)["rank_phases"]["steps"] == 0
+    assert train_epoch(state, settings, batches(3), 3, lambda t: t)["rank_phases"]["steps"] == 0
 
 
 def test_resumes_from_the_step_in_epoch_and_stops_when_asked():
     state, settings = make()
     state.position.step_in_epoch = 1  # one step of this epoch already done
-    metrics = train_one_epoch(state, settings, batches(3), 3, lambda t: t)
+    metrics = train_epoch(state, settings, batches(3), 3, lambda t: t)
     assert metrics["steps"] == 2 and state.position.step == 2
     state.position.step_in_epoch = 0
     asked = iter([False, True])
-    metrics = train_one_epoch(state, settings, batches(3), 3, lambda t: t, should_stop=lambda: next(asked))
+    metrics = train_epoch(state, settings, batches(3), 3, lambda t: t, should_stop=lambda: next(asked))
     assert metrics["stopped"] is True and metrics["steps"] == 1
 
 
@@ -129,7 +137,7 @@ def test_accumulation_averages_the_passes_of_a_step(distributed):
     state, settings = make(passes=2, distributed=distributed)
     data = batches(4)
     expected = by_hand(state.model, [data[0:2], data[2:4]])
-    train_one_epoch(state, settings, data, 2, lambda t: t)
+    train_epoch(state, settings, data, 2, lambda t: t)
     assert_same(state.model, expected)
     assert state.position.step == 2
 
@@ -139,10 +147,10 @@ def test_clipping_limits_the_global_gradient_norm():
     data = batches(2, scale=100.0)  # gradients far above the limit
     expected = by_hand(state.model, [[b] for b in data], clip=0.01)
     before = [p.detach().clone() for p in state.model.parameters()]
-    train_one_epoch(state, settings, data[:1], 1, lambda t: t)
+    train_epoch(state, settings, data[:1], 1, lambda t: t)
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(state.model.parameters(), before)])
     assert moved.norm().item() == pytest.approx(LR * 0.01, rel=1e-9)
-    train_one_epoch(state, settings, data[1:], 2, lambda t: t)  # step 2 of the epoch
+    train_epoch(state, settings, data[1:], 2, lambda t: t)  # step 2 of the epoch
     assert_same(state.model, expected)
 
 
@@ -153,7 +161,7 @@ def test_gradscaler_unscales_before_clipping(distributed):
     state, settings = make(clip=0.01, scaler=scaler, distributed=distributed)
     data = batches(2, scale=100.0)
     expected = by_hand(state.model, [[b] for b in data], clip=0.01)
-    train_one_epoch(state, settings, data, 2, lambda t: t)
+    train_epoch(state, settings, data, 2, lambda t: t)
     assert_same(state.model, expected)
     assert scaler.get_scale() == 2.0 ** 10  # finite gradients: the scale stays until growth_interval
 
@@ -166,7 +174,7 @@ def test_gradscaler_skips_a_step_with_infinite_gradients(distributed):
     before = [p.detach().clone() for p in state.model.parameters()]
     x, y = batches(1)[0]
     x[0, 0] = float("inf")
-    train_one_epoch(state, settings, [(x, y)], 1, lambda t: t)
+    train_epoch(state, settings, [(x, y)], 1, lambda t: t)
     for p, b in zip(state.model.parameters(), before):
         assert torch.equal(p.detach(), b)
     assert scaler.get_scale() == 2.0 ** 9 and state.position.step == 1
