@@ -45,6 +45,7 @@ from ..comm import dist
 from ..data.files.bad_files import REASONS, Summary, allowed_failures, over_limit, validation_over_limit
 from ..data.image.folder import MAX_REPLACEMENTS
 from ..ownership import PRIVATE, UnsafePath, open_append, own_folder
+from .capabilities import FailsOnBadFile, SummarizesBadFiles, TalliesBadFiles
 from .guard import JobStopped
 from .run import Run, log
 from .save import save_checkpoint
@@ -86,7 +87,7 @@ class DataGuard:
         """A guard where the training loader counts bad files (the image folder loader) and
         ``data.on_bad_file=skip``; None otherwise."""
         loader = run.loaders.train
-        if not hasattr(loader, "tally") or getattr(loader, "fail", False):
+        if not isinstance(loader, TalliesBadFiles) or fails_on_bad_file(loader):
             return None
         return cls(loader, run.cfg.data.max_bad_fraction)
 
@@ -156,7 +157,7 @@ class BadFilesLog:
 
 def take_summary(loader: Any) -> Summary | None:
     """The loader's summary of its last pass (engine.add_bad_files), once."""
-    summary = getattr(loader, "last_summary", None)
+    summary = loader.last_summary if isinstance(loader, SummarizesBadFiles) else None
     if summary is not None:
         loader.last_summary = None
     return summary
@@ -238,8 +239,8 @@ def check_validation(run: Run, outputs: Any, epoch: int) -> None:
     the same on each). Past ``data.max_bad_fraction`` of the split's samples failed: the failed files
     listed, a checkpoint of the epoch's training (trained, not validated), one line, DataVanished."""
     loader, max_fraction = run.loaders.val, run.cfg.data.max_bad_fraction
-    summary = getattr(loader, "last_summary", None)
-    if getattr(loader, "fail", False) or not validation_over_limit(summary, max_fraction, run.loaders.val_size):
+    summary = loader.last_summary if isinstance(loader, SummarizesBadFiles) else None
+    if fails_on_bad_file(loader) or not validation_over_limit(summary, max_fraction, run.loaders.val_size):
         return
     train = take_summary(run.loaders.train)
     take_summary(loader)
@@ -274,3 +275,7 @@ def check_epoch_end(run: Run, guard: DataGuard | None, epoch: int, train_metrics
 
 __all__ = ["BadFilesLog", "DataGuard", "DataVanished", "note_epoch", "stop_for_vanished_data", "check_epoch_end",
            "check_validation"]
+
+
+def fails_on_bad_file(loader: Any) -> bool:
+    return isinstance(loader, FailsOnBadFile) and bool(loader.fail)

@@ -22,6 +22,7 @@ from ..observe.metrics import MetricSums
 from ..observe.phases import GPU_SAMPLE_EVERY, NO_CLOCK, StepClock
 from ..optim.build import LRSchedule, set_lr
 from ..tasks import Task
+from .capabilities import CountsBadFiles, CountsTakenBatches, PopsBadFiles
 from .guard import FiniteGuard
 from .state import RunState
 
@@ -129,11 +130,9 @@ class Epoch:
         # One whose position counts the batches taken (tar shards) holds them itself: read and counted,
         # but not taken, so that a checkpoint at a stop counts only the batches trained on.
         count = (steps - position.step_in_epoch) * settings.backward_passes_per_step
-        ahead = settings.backward_passes_per_step if getattr(batches, "counts_bad_files", False) else 0
-        if getattr(batches, "counts_taken_batches", False):
-            hold_ahead = getattr(batches, "hold_ahead", None)
-            if hold_ahead is not None:
-                hold_ahead(ahead, count)
+        ahead = settings.backward_passes_per_step if counts_bad_files(batches) else 0
+        if counts_taken_batches(batches):
+            batches.hold_ahead(ahead, count)
             ahead = 0
         self.iterator = DeviceBatches(batches, settings, count=count, ahead=ahead)
         self.clock = settings.step_clock()
@@ -242,7 +241,7 @@ class DeviceBatches:
         self.settings, self.remaining = settings, count
         device = settings.device
         self.stream = torch.cuda.Stream(device) if (device.type == "cuda" and settings.prefetch and
-                                                    not getattr(batches, "counts_taken_batches", False)) else None
+                                                    not counts_taken_batches(batches)) else None
         self.ready = self.load() if self.stream is not None else None
         self.ahead, self.taken_ahead = (ahead if self.stream is None else 0), deque()
         self.take_ahead()
@@ -314,14 +313,13 @@ def batch_seed(seed: int, epoch: int, step: int, pass_index: int, rank: int) -> 
 
 def add_bad_files(metrics: dict, batches: Iterable, allreduce_sum: AllreduceSum) -> None:
     """The distinct files that failed in this pass over every rank, per reason (``bad_files``,
-    ``bad_files_missing``, ...), for loaders that count them (``pop_epoch()``); the whole
+    ``bad_files_missing``, ...), for loaders that count them (capabilities.PopsBadFiles); the whole
     bad_files.Summary stays in the loader's ``last_summary`` for train/bad_data.py. Every rank has the
     same kind of loader, so every rank takes part in these collectives or none does."""
-    pop_epoch = getattr(batches, "pop_epoch", None)
-    if pop_epoch is not None:
+    if isinstance(batches, PopsBadFiles):
         gather = (lambda value: dist.allgather_object(value, name="hvdtrain.bad_files")) \
             if dist.initialized() and dist.size() > 1 else (lambda value: [value])
-        batches.last_summary = combine(pop_epoch(), allreduce_sum, gather)
+        batches.last_summary = combine(batches.pop_epoch(), allreduce_sum, gather)
         metrics.update(batches.last_summary.metrics())
 
 
@@ -347,3 +345,11 @@ def evaluate(state: RunState, settings: StepSettings, batches: Iterable[Any], al
     metrics.update(seconds=seconds, samples_per_sec=metrics["samples"] / max(seconds, 1e-9))
     add_bad_files(metrics, batches, allreduce_sum)
     return metrics
+
+
+def counts_bad_files(batches: Any) -> bool:
+    return isinstance(batches, CountsBadFiles) and bool(batches.counts_bad_files)
+
+
+def counts_taken_batches(batches: Any) -> bool:
+    return isinstance(batches, CountsTakenBatches) and bool(batches.counts_taken_batches)

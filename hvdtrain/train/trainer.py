@@ -56,6 +56,7 @@ from ..fault import attempts, signals
 from ..fault.preemption import StopRequest
 from ..observe.metrics import MetricSums, last_epoch_records
 from .bad_data import BadFilesLog, DataGuard, check_epoch_end, note_epoch, stop_for_vanished_data
+from .capabilities import CarriesEpochSums
 from .engine import Epoch
 from .outputs import Outputs, end_epoch, finish, stop_for_preemption
 from .resume import resume
@@ -228,8 +229,8 @@ class Trainer:
             if run.stats is not None:
                 run.stats.take_epoch()  # the epoch's statistics cover its training, not the validation before
             # A mid-epoch checkpoint carries them (elastic runs carry theirs in their commits).
-            sums_so_far = getattr(membership, "sums_so_far", None)
-            run.train_sums_so_far = (lambda: sums_so_far(run, sums)) if sums_so_far else None
+            run.train_sums_so_far = ((lambda: membership.sums_so_far(run, sums))
+                                     if isinstance(membership, CarriesEpochSums) else None)
             guard = self.data_guard
             if guard is not None:
                 guard.start_epoch(steps * run.global_batch)
