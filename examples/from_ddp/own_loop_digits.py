@@ -9,14 +9,13 @@ import argparse
 import os
 
 import torch
+import hvdtrain.distributed as dist
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import hvdtrain.distributed as dist
 from hvdtrain.distributed import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
 from hvdtrain.distributed import DistributedSampler
 
 
