@@ -102,7 +102,27 @@ def _remove_module_outputs(tmp_path_factory):
 def pytest_sessionfinish(session):
     from tests import shared_ranks
 
-    session.config._shared_ranks_summary = shared_ranks.stop_all()
+    lines = shared_ranks.stop_all()
+    worker_output = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker's, for the controller
+    if worker_output is not None:
+        worker_output["shared_ranks_summary"] = lines
+    summary = session.config.__dict__.setdefault("_shared_ranks_summary", [])
+    summary += lines
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(WorkerSummaries(), "shared_ranks_summaries")
+
+
+class WorkerSummaries:
+    """The shared ranks' summary lines of each pytest-xdist worker, brought to the controller."""
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error):
+        lines = getattr(node, "workeroutput", {}).get("shared_ranks_summary", [])
+        worker = node.gateway.id
+        node.config.__dict__.setdefault("_shared_ranks_summary", []).extend(f"{worker}: {line}" for line in lines)
 
 
 def pytest_terminal_summary(terminalreporter, config):
