@@ -184,11 +184,11 @@ def test_a_stop_signal_to_the_launcher_alone_reaches_the_ranks_which_checkpoint(
     ranks, which checkpoint and exit 75, and nothing is left running. Handed to horovodrun, as it
     was, mpirun ended the ranks within a second (exit 1, no stop line)."""
     run_dir = tmp_path / "run"
-    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=12")]
+    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=1000")]
     job = subprocess.Popen(launched(controller, program), cwd=tmp_path, env=job_env(tmp_path),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = wait_for_line(job, "epoch 1/12 ")
+        lines = wait_for_line(job, "epoch 1/1000 ")
         job.send_signal(signal.SIGTERM)
         rest, _ = job.communicate(timeout=120)
     finally:
@@ -204,11 +204,11 @@ def test_ctrl_c_at_the_terminal_stops_the_ranks_with_a_checkpoint_naming_sigint(
     and ended the ranks with SIGTERM, so the stop line said SIGTERM; hvdtrain launch now keeps
     horovodrun out of its group and passes the Ctrl-C on as SIGINT: checkpoint, exit 75, named."""
     run_dir = tmp_path / "run"
-    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=12")]
+    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=1000")]
     job = subprocess.Popen(launched("--gloo", program), cwd=tmp_path, env=job_env(tmp_path), process_group=0,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = wait_for_line(job, "epoch 1/12 ")
+        lines = wait_for_line(job, "epoch 1/1000 ")
         os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
         rest, _ = job.communicate(timeout=120)
     finally:
