@@ -47,15 +47,25 @@ prepare_stop_file() {
 
 # How many times Slurm has requeued the job so far (scontrol's Restarts=): one more than the
 # attempt's own SLURM_RESTART_COUNT once the job is requeued, by this script or by whoever stopped
-# it (`scontrol requeue` from outside, a preemption), while this attempt is still ending.
+# it (`scontrol requeue` from outside, a preemption), while this attempt is still ending. Nothing
+# when Slurm does not answer (a busy slurmctld, over about 10 s of tries): unknown is not "0".
+# `answer_pause` (seconds between tries; 1, 2, 3 by default) is for the script's tests.
 job_restarts() {
-    local try shown
-    for try in 1 2 3; do  # a busy slurmctld may not answer at once
+    local try shown=""
+    for try in 1 2 3 4; do
         shown=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* Restarts=\([0-9]*\).*/\1/p' | head -1)
-        [[ -z $shown ]] || break
-        sleep "$try"
+        [[ -n $shown || $try == 4 ]] && break
+        sleep "${answer_pause:-$try}"
     done
-    echo "${shown:-0}"
+    echo "$shown"
+}
+
+# The closing line of an attempt that Slurm has requeued already (from outside, or between this
+# script's two looks): requeuing it again fails, and "submit again" would start a second job on the
+# same run folder.
+say_requeued_already() {
+    echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75): requeued already by Slurm" \
+        "(restart $1); it resumes from the checkpoint" >&2
 }
 
 run_and_requeue() {
@@ -89,25 +99,30 @@ run_and_requeue() {
     # (scontrol, and the subshells they run in) inherit that, and survive the SIGTERM Slurm sends
     # every process of a job it requeues or cancels.
     trap '' TERM USR1
-    local restarts=${SLURM_RESTART_COUNT:-0} most=${HVDTRAIN_MAX_REQUEUES:-20} said="" shown
+    local restarts=${SLURM_RESTART_COUNT:-0} most=${HVDTRAIN_MAX_REQUEUES:-20} said="" shown asked
     if ((code == 75)) && [[ -n ${SLURM_JOB_ID:-} ]]; then
         shown=$(job_restarts)
-        if ((${shown:-0} > restarts)); then
-            # Requeued already (scontrol requeue from outside, a preemption): requeuing it again fails,
-            # and "submit again" would start a second job on the same run folder.
-            echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75): requeued already by Slurm" \
-                "(restart $shown); it resumes from the checkpoint" >&2
+        if [[ -n $shown ]] && ((shown > restarts)); then
+            say_requeued_already "$shown"
             code=0
         elif ((restarts >= most)); then
             echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75) and was requeued $restarts times" \
                 "already (HVDTRAIN_MAX_REQUEUES=$most): not requeued again; submit the same command to continue" >&2
         else
-            said=$(scontrol requeue "$SLURM_JOB_ID" 2>&1) || true
+            said=$(scontrol requeue "$SLURM_JOB_ID" 2>&1) && asked=1 || asked=0
             shown=$(job_restarts)
-            if ((${shown:-0} > restarts)); then  # what Slurm shows, not what scontrol returned
-                echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75): requeued" \
-                    "(restart $shown of at most $most); it resumes from the checkpoint" >&2
+            if [[ -n $shown ]] && ((shown > restarts)); then  # what Slurm shows, not what scontrol returned
+                if ((asked)); then
+                    echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75): requeued" \
+                        "(restart $shown of at most $most); it resumes from the checkpoint" >&2
+                else  # ours failed: someone requeued it first ("Job is pending execution")
+                    say_requeued_already "$shown"
+                fi
                 code=0
+            elif [[ -z $shown ]]; then
+                echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75); Slurm did not answer whether" \
+                    "it is requeued (scontrol requeue: ${said:-asked}): see Restarts= in \`scontrol show job" \
+                    "$SLURM_JOB_ID\` before you submit the same command to continue" >&2
             else
                 echo "hvdtrain: job $SLURM_JOB_ID stopped after a checkpoint (exit 75) and could not be requeued" \
                     "(${said:-Slurm shows no requeue}: a cancelled job, or #SBATCH --no-requeue); submit the same" \

@@ -58,14 +58,18 @@ def job_fields(cluster, job: str) -> dict[str, str]:
     return dict(re.findall(r"(JobState|Restarts|ExitCode)=(\S+)", shown))
 
 
-def wait_until(predicate, what: str, timeout: float, cluster, job: str) -> None:
+def wait_until(predicate, what: str, timeout: float, cluster, job: str, log: Path | None = None) -> None:
+    """Wait for an event; on the deadline, cancel the job and show Slurm's word, the job's ``log``
+    and the daemons' logs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.2)
     subprocess.run(["scancel", job], env=cluster.env())
-    raise AssertionError(f"job {job}: timed out waiting for {what}: {job_fields(cluster, job)}\n{cluster.logs()}")
+    text = log.read_text() if log is not None and log.exists() else "(no log)"
+    raise AssertionError(f"job {job}: timed out waiting for {what}: {job_fields(cluster, job)}\n"
+                         f"--- the job's log\n{text}\n{cluster.logs()}")
 
 
 def wait_for_end(cluster, job: str, timeout: float = 600) -> dict[str, str]:
@@ -124,14 +128,17 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
     args = TRAIN + [f"data.dir={tiny_data}"] + ([f"output.dir={tmp_path / 'run'}"] if named else [])
     job = submit(slurm_cluster, script, args, tmp_path)
     run_dir = tmp_path / "run" if named else tmp_path / "runs" / f"hvdtrain-{job}"  # #SBATCH --job-name=hvdtrain
+    log = tmp_path / f"slurm-{job}.out"
     wait_until(lambda: (run_dir / "checkpoints" / "step-00000002.pt").exists(), "epoch 1's step 2", 300,
-               slurm_cluster, job)
+               slurm_cluster, job, log)
     sent = time.monotonic()
     stop_job(slurm_cluster, job, how)
-    log = tmp_path / f"slurm-{job}.out"
-    said = "requeued already by Slurm" if how == "requeue" else "requeued (restart 1"
-    wait_until(lambda: said in log.read_text(), "the requeue", 90, slurm_cluster, job)
+    # The first attempt's closing line (requeue.sh's word on the requeue, whatever it is), then what it says.
+    closing = f"hvdtrain: job {job} stopped after a checkpoint (exit 75)"
+    wait_until(lambda: closing in log.read_text(), "the stopped attempt's closing line", 90, slurm_cluster, job, log)
     stopped = time.monotonic() - sent
+    said = "requeued already by Slurm (restart 1)" if how == "requeue" else "requeued (restart 1 of at most 20)"
+    assert said in log.read_text(), log.read_text()
     assert stopped < 90, f"took {stopped:.0f} s to stop"
     # Nothing of the stopped attempt runs on: no rank, no launcher (their argv names the data folder).
     assert training_processes(str(tiny_data)) == {}, "a process of the stopped attempt is still running"
@@ -190,7 +197,7 @@ def test_a_stop_in_the_first_seconds_requeues_and_a_job_that_cannot_progress_is_
     log = tmp_path / f"slurm-{job}.out"
     for restart in (0, 1):
         wait_until(lambda: log.exists() and f"(restart {restart})" in log.read_text(), f"attempt {restart}'s start",
-                   300, slurm_cluster, job)
+                   300, slurm_cluster, job, log)
         stop_job(slurm_cluster, job, "batch-twice")
     fields = wait_for_end(slurm_cluster, job, timeout=400)
     text = log.read_text()

@@ -32,14 +32,19 @@ EARLY = ('stop_signal=""; trap \'stop_signal=${stop_signal:-TERM}\' TERM; '
          'trap \'stop_signal=${stop_signal:-USR1}\' USR1; '
          'echo waiting >> "$LOG"; while [ ! -e "$GO" ]; do sleep 0.05 & wait $! || true; done; ')
 # scontrol: records its calls but `show`; `requeue` fails with REQUEUE_FAILS set, else Slurm's restart
-# count goes up by one; `show job` says JobState=$STATE and that count (or $SHOWN_RESTARTS).
+# count goes up by one; `show job` says JobState=$STATE and that count (or $SHOWN_RESTARTS), or
+# nothing with SHOW_SILENT set (a busy slurmctld; "until-requeue": until a requeue was asked).
 SCONTROL = """#!/bin/sh
 if [ "$1" = show ]; then
+    if [ "${SHOW_SILENT:-}" = always ] || { [ "${SHOW_SILENT:-}" = until-requeue ] && [ ! -e "$LOG.asked" ]; }; then
+        echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1
+    fi
     echo "JobId=42 JobName=x"; echo "   JobState=${STATE:-RUNNING} Reason=None"
     restarts=${SLURM_RESTART_COUNT:-0}; [ -e "$LOG.requeued" ] && restarts=$((restarts + 1))
     echo "   Requeue=1 Restarts=${SHOWN_RESTARTS:-$restarts} BatchFlag=1 Reboot=0 ExitCode=0:0"; exit 0
 fi
 echo "scontrol $*" >> "$LOG"
+[ "$1" = requeue ] && touch "$LOG.asked"
 if [ "$1" = requeue ] && [ -n "${REQUEUE_FAILS:-}" ]; then echo "$REQUEUE_FAILS" >&2; exit 1; fi
 [ "$1" = requeue ] && touch "$LOG.requeued"
 exit 0
@@ -52,7 +57,7 @@ def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | No
     scontrol.write_text(SCONTROL)
     scontrol.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "LOG": str(tmp_path / "log"),
-           "CODE": str(code), "TICKS": str(ticks), "GO": str(tmp_path / "go"), **extra}
+           "answer_pause": "0.01", "CODE": str(code), "TICKS": str(ticks), "GO": str(tmp_path / "go"), **extra}
     if restarts is not None:
         env["SLURM_RESTART_COUNT"] = str(restarts)
     if most is not None:
@@ -144,6 +149,26 @@ def test_requeued_is_said_when_slurm_has_the_job_requeued_and_only_then(tmp_path
     assert shell.returncode == 75
     assert ("could not be requeued (scontrol: error: Job has already finished: a cancelled job, or "
             "#SBATCH --no-requeue); submit the same command to continue") in err and "requeued already" not in err
+
+
+def test_a_slurmctld_too_busy_to_answer_gives_no_false_word(tmp_path):
+    # Requeued from outside while slurmctld is too busy to show the job: the script's own requeue
+    # fails as Slurm's does for a job requeued already, and the next look shows the restart.
+    shell = start(tmp_path, code=75, ticks=1, SHOW_SILENT="until-requeue", SHOWN_RESTARTS="1",
+                  REQUEUE_FAILS="Job is pending execution for job 42")
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert "requeued already by Slurm (restart 1); it resumes from the checkpoint" in err, err
+    assert "could not be requeued" not in err and "submit the same command" not in err, err
+    # No answer at all: neither "requeued" nor "could not be requeued", and the way to find out.
+    for name in ("log", "log.asked"):
+        (tmp_path / name).unlink(missing_ok=True)
+    shell = start(tmp_path, code=75, ticks=1, SHOW_SILENT="always")
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 75, err
+    assert ("Slurm did not answer whether it is requeued (scontrol requeue: asked): see Restarts= in "
+            "`scontrol show job 42` before you submit the same command to continue") in err, err
+    assert "requeued (restart" not in err and "could not be requeued" not in err, err
 
 
 def test_other_codes_are_not_requeued_and_are_the_jobs_own(tmp_path):
