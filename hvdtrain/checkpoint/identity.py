@@ -30,7 +30,8 @@ MAY_CHANGE = ("train.epochs", "train.target", "train.target_metric", "train.targ
               "recommendation.on_bad_line", "recommendation.ratings_cache",
               "runtime.", "output.", "checkpoint.", "tracking.", "eval.", "elastic.commit_every_steps",
               "elastic.sample_log", "dist.timeout_seconds", "dist.straggler_threshold", "dist.stall_warning_seconds",
-              "dist.stall_shutdown_seconds", "dist.bucket_mb", "dist.compression", "amp.max_skipped_steps")
+              "dist.stall_shutdown_seconds", "dist.bucket_mb", "dist.compression", "dist.engine",
+              "amp.max_skipped_steps")
 SHOWN = 4  # differences named in the line; the rest are counted
 
 

@@ -1,131 +1,136 @@
-"""The one module the rest of hvdtrain asks about Horovod's training side (horovod.torch, here and
-in objects.py, whose object collectives it offers; launch/ray.py uses horovod.runner to place ranks
-and serve the Gloo rendezvous on a Ray cluster).
+"""The one module the rest of hvdtrain asks about the job's ranks and their collectives.
 
 Everything else asks ``dist.rank()``, ``dist.allreduce_sum(t)``, ``dist.broadcast_state(s)``,
-never ``hvd`` directly. Every collective here is correct at world size 1 as well, so the same
-code path runs a single process (no launcher) and a thousand ranks. ``rank()``, ``size()`` and
-``local_rank()`` also answer before ``init()``, from the launcher's environment. The environment
-Horovod starts from is comm/horovod_env.py's, the gradient groups comm/buckets.py's.
+never an engine directly. Two engines sit behind it (``dist.engine``): Horovod's
+(comm/horovod_engine.py, the default) and torch.distributed's (comm/torch_engine.py, under torchrun,
+srun or mpirun, with nothing but torch). ``init(engine=...)`` picks one; horovod is imported only
+when its engine is picked (or something asks for one of Horovod's own names, like
+``dist.HostsUpdatedInterrupt``). Every collective here is correct at world size 1 as well, so the
+same code path runs a single process (no launcher) and a thousand ranks. ``rank()``, ``size()`` and
+``local_rank()`` also answer before ``init()``, from the launcher's environment (comm/launcher_env.py).
+Object collectives are comm/objects.py's, over whichever engine runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
+import sys
 import weakref
+from types import ModuleType
 from typing import Any, Iterable, Iterator
 
-import horovod.torch as hvd
 import torch
-from horovod.common.elastic import State as ElasticStateBase
-from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 from ..config import ConfigError
 from . import launcher_env as launcher
-from .buckets import gradient_buckets
-from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, check_elastic_env, stall_inspector_env
-from .objects import allgather_object, broadcast_object  # noqa: F401 - collectives of the facade
+from . import objects
 
-Compression = hvd.Compression
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
-# Horovod's SyncBatchNorm runs on CUDA tensors only; model/sync_bn.py has the CPU counterpart.
-CudaSyncBatchNorm = hvd.SyncBatchNorm
+ENGINES = ("horovod", "torch")
+_engine: ModuleType | None = None  # the engine init() started; None before
+
+
+def _load(name: str) -> ModuleType:
+    if name == "torch":
+        from . import torch_engine
+        return torch_engine
+    if name == "horovod":
+        from . import horovod_engine
+        return horovod_engine
+    raise ConfigError(f"config key 'dist.engine': expected one of {', '.join(ENGINES)}, got '{name}'")
+
+
+def _active() -> ModuleType:
+    """The engine init() started; before init, Horovod's (as before there were two engines: its
+    collectives then fail as Horovod's do when it is not initialized)."""
+    return _engine if _engine is not None else _load("horovod")
+
+
+def engine() -> str:
+    """The name of the engine that runs ("horovod" or "torch"); "horovod" before init()."""
+    return _engine.NAME if _engine is not None else "horovod"
 
 
 def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = False,
-         stall_warning_seconds: int | None = None, stall_shutdown_seconds: int = 0, timeline: bool = False) -> None:
-    """Initialize Horovod once (idempotent), after hvdtrain's environment defaults for ``gpu`` (None:
-    whether CUDA is available).
-
-    A Gloo collective gives up after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default); a longer
-    ``timeout_seconds`` raises it so that slow but healthy phases are not cut short. Settings the
-    user exported win, except those an ``elastic`` run cannot survive (a one-line error).
-
-    ``stall_warning_seconds`` / ``stall_shutdown_seconds`` set Horovod's stall inspector (None:
-    leave it as the environment has it; 0 warning seconds turns it off). ``timeline`` lets
-    ``start_timeline`` record a timeline later (HOROVOD_TIMELINE=DYNAMIC).
-    """
-    if elastic:
-        check_elastic_env()
-    if timeout_seconds > 30:
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
-    if stall_warning_seconds is not None:
-        os.environ.update(stall_inspector_env(stall_warning_seconds, stall_shutdown_seconds))
-    if timeline:
-        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
-    if GLOO_RENDEZVOUS in os.environ and not hvd.is_initialized():
-        problem = launcher.hostname_problem()  # else Horovod's Gloo init segfaults without a word
-        if problem:
-            raise ConfigError(problem)
-    if not hvd.is_initialized():
-        apply_env_defaults(torch.cuda.is_available() if gpu is None else gpu, elastic=elastic)
-        hvd.init()
-        if join_problem():
-            hvd.join = refuse_join  # a task's own hvd.join() stops with the line, not a hang
+         stall_warning_seconds: int | None = None, stall_shutdown_seconds: int = 0, timeline: bool = False,
+         engine: str = "horovod") -> None:
+    """Start ``engine`` once (idempotent) on ``gpu`` (None: whether CUDA is available). What the
+    arguments mean to Horovod: horovod_engine.init; the torch engine refuses what is Horovod's
+    alone (elastic, the stall inspector's shutdown, the timeline) in one line."""
+    global _engine
+    chosen = _load(engine)
+    if _engine is not None and _engine is not chosen and _engine.initialized():
+        raise ConfigError(f"dist.engine={engine}: this process already runs the {_engine.NAME} engine; "
+                          "start a new process to change engines")
+    if chosen.NAME == "torch":
+        for key, value, why in (("elastic.enabled", elastic, "Horovod Elastic"),
+                                ("dist.stall_shutdown_seconds", stall_shutdown_seconds, "Horovod's stall inspector"),
+                                ("runtime.timeline", timeline, "Horovod's timeline")):
+            if value:
+                raise ConfigError(refusal(key, why))
+        chosen.init(gpu=gpu, timeout_seconds=timeout_seconds)
+    else:
+        chosen.init(gpu=gpu, timeout_seconds=timeout_seconds, elastic=elastic,
+                    stall_warning_seconds=stall_warning_seconds, stall_shutdown_seconds=stall_shutdown_seconds,
+                    timeline=timeline)
+    _engine = chosen
 
 
-def join_problem() -> str | None:
-    """Why ``hvd.join`` cannot work on this host, or None.
-
-    A Horovod built with GPU operations runs join through its GPU code path even for CPU tensors:
-    on a host without a GPU driver it hangs under Gloo (one rank waits in the next collective, the
-    other in join, forever) and fails under MPI ("Could not dlopen libcuda.so")."""
-    if (hvd.nccl_built() or hvd.cuda_built()) and not torch.cuda.is_available():
-        return ("join is not available here: this Horovod was built with GPU operations (NCCL), and on a "
-                "host without a GPU driver join hangs under Gloo and fails under MPI; rebuild it with CPU "
-                "operations (HVDTRAIN_GPU_OPS=none make setup; make setup's auto does so where no driver is "
-                "found) or run on a GPU host")
-    return None
+def refusal(key: str, feature: str) -> str:
+    """The one line that refuses a Horovod-only ``feature`` (set by config ``key``) under the torch engine."""
+    return (f"config key '{key}' needs {feature}, which dist.engine=torch does not have: set dist.engine=horovod "
+            f"(and launch with horovodrun) or turn {key} off")
 
 
-def refuse_join(device: int = -1) -> int:
-    raise ConfigError(join_problem() or "join is not available here")
+def __getattr__(name: str) -> Any:
+    """Names of one engine's own (Horovod's exceptions and elastic state, its Compression, the
+    CUDA SyncBatchNorm), loaded on first use: ``import hvdtrain.comm.dist`` imports no Horovod.
+    Under the torch engine, ``HorovodInternalError`` is torch.distributed's error (a lost peer)."""
+    if name == "HorovodInternalError" and engine() == "torch":
+        return torch.distributed.DistError
+    if name == "CudaSyncBatchNorm" and engine() == "torch":
+        return torch.nn.SyncBatchNorm
+    if name in ("HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase", "Compression",
+                "CudaSyncBatchNorm", "hvd", "join_problem", "refuse_join"):
+        return getattr(_load("horovod"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def join(device: int = -1) -> int:
-    """This rank has no more batches (uneven inputs): its allreduces count as zeros for the others
-    until every rank has joined. Blocks until then; returns the rank that joined last."""
-    problem = join_problem()
-    if problem:
-        raise ConfigError(problem)
-    return hvd.join(device)
-
-
-def start_timeline(path: str, mark_cycles: bool = True) -> None:
-    """Record Horovod's timeline (Chrome trace JSON, written by rank 0) from now on; every rank calls it."""
-    hvd.start_timeline(path, mark_cycles=mark_cycles)
-
-
-def stop_timeline() -> None:
-    hvd.stop_timeline()
+def _started() -> ModuleType | None:
+    """The engine that is initialized, or None; Horovod's where something (a script of the user's)
+    ran ``hvd.init()`` itself."""
+    if _engine is not None:
+        return _engine if _engine.initialized() else None
+    hvd = sys.modules.get("horovod.torch")
+    return _load("horovod") if hvd is not None and hvd.is_initialized() else None
 
 
 def initialized() -> bool:
-    return bool(hvd.is_initialized())
+    return _started() is not None
 
 
 def rank() -> int:
     """This process's rank; before ``init()``, as the launcher set it (0 without a launcher)."""
-    return hvd.rank() if initialized() else launcher.rank()
+    started = _started()
+    return started.rank() if started else launcher.rank()
 
 
 def size() -> int:
-    return hvd.size() if initialized() else launcher.size()
+    started = _started()
+    return started.size() if started else launcher.size()
 
 
 def local_rank() -> int:
-    return hvd.local_rank() if initialized() else launcher.local_rank()
+    started = _started()
+    return started.local_rank() if started else launcher.local_rank()
 
 
 def local_size() -> int:
-    return hvd.local_size()
+    return _active().local_size()
 
 
 def cross_size() -> int:
     """Number of hosts taking part."""
-    return hvd.cross_size()
+    return _active().cross_size()
 
 
 def is_primary() -> bool:
@@ -139,102 +144,104 @@ def log(message: str) -> None:
 
 
 def controller() -> str:
-    """Which controller coordinates this job: "gloo" or "mpi"."""
-    if hvd.gloo_enabled():
-        return "gloo"
-    if hvd.mpi_enabled():
-        return "mpi"
-    return "unknown"
+    """Which controller (Horovod) or backend (torch) coordinates this job: "gloo", "mpi", "nccl"."""
+    return _active().controller()
 
 
 def built() -> dict[str, bool]:
-    return {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built()),
-            "cuda": bool(hvd.cuda_built())}  # GPU operations: NCCL, or CUDA-aware MPI
+    return _active().built()
 
 
 def version() -> str:
-    """The installed Horovod version."""
-    import horovod
-
-    return horovod.__version__
+    """The installed Horovod version (the torch engine: torch's)."""
+    return _active().version()
 
 
-# How long a quiet wait sleeps between two looks at an operation in flight, and for how long it looks.
-QUIET_POLL_SECONDS = 0.0001
-QUIET_POLL_LIMIT_SECONDS = 0.05
+def join(device: int = -1) -> int:
+    """This rank has no more batches (uneven inputs): its allreduces count as zeros for the others
+    until every rank has joined. Horovod's alone."""
+    if engine() == "torch":
+        raise ConfigError("join is Horovod's (hvd.join), which dist.engine=torch does not have: set "
+                          "dist.engine=horovod, or give every rank the same number of batches")
+    return _active().join(device)
+
+
+def start_timeline(path: str, mark_cycles: bool = True) -> None:
+    """Record Horovod's timeline (Chrome trace JSON, written by rank 0) from now on; every rank calls it."""
+    _active().start_timeline(path, mark_cycles=mark_cycles)
+
+
+def stop_timeline() -> None:
+    _active().stop_timeline()
+
+
+def elastic_run(func):
+    """Horovod Elastic's retry loop: ``func(state)`` runs again after every membership change,
+    once ``state`` has been rolled back (on a failure) and synchronized from rank 0."""
+    return _active().elastic_run(func)
 
 
 def wait_quietly(handles: Iterable[Any]) -> None:
-    """Sleep in short naps until Horovod has finished the operations behind ``handles`` (its
-    integer handles; others are skipped), looking every ``QUIET_POLL_SECONDS`` for at most
-    ``QUIET_POLL_LIMIT_SECONDS`` in all; the caller's ``hvd.synchronize`` then waits for the rest.
-
-    The work waited for runs on Horovod's background thread and Gloo's threads, on the same cores
-    as the waiting thread. The digits model on 2 CPU ranks, each bound to a core
-    (``benchmarks/stop_agreement.py --bind rank``, medians of 3): 11.77 ms a step with Horovod's
-    own wait, 10.03 ms looking every 0.1 ms; unbound, 9.87 and 8.94 (DDP: 8.93). The looks cost CPU
-    (about 10% of a core while they go on), so a long wait, for a late rank, is Horovod's own: with
-    Horovod patch 0002 it sleeps on a condition variable (tests/parallel/test_observability.py: rank 0's
-    thread used 0.30-0.33 s of CPU in a 3 s wait when the looks had no limit)."""
-    deadline = time.perf_counter() + QUIET_POLL_LIMIT_SECONDS
-    for handle in handles:
-        if not isinstance(handle, int):
-            continue
-        while not hvd.poll(handle):
-            if time.perf_counter() > deadline:
-                return
-            time.sleep(QUIET_POLL_SECONDS)
+    """Nap until the operations behind ``handles`` are done, for a short while (horovod_engine's)."""
+    _active().wait_quietly(handles)
 
 
 def allreduce_sum(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Sum over ranks; returns a new tensor (waited for quietly: ``wait_quietly``)."""
-    return wait(hvd.allreduce_async(tensor, op=hvd.Sum, name=name))
+    """Sum over ranks; returns a new tensor."""
+    return _active().allreduce_sum(tensor, name=name)
 
 
-def allreduce_sum_async(tensor: torch.Tensor, name: str) -> int:
+def allreduce_sum_async(tensor: torch.Tensor, name: str) -> Any:
     """Start a sum over ranks and return at once: ``wait(handle)`` gives the result. Every rank must
     start and wait for the same operations in the same order; ``name`` may not be in flight twice."""
-    return hvd.allreduce_async(tensor, op=hvd.Sum, name=name)
+    return _active().allreduce_sum_async(tensor, name)
 
 
-# Reductions by name, for the in-place operations the torch.distributed calls of distributed.py make.
-OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}
+OPS = ("sum", "average", "min", "max", "product")  # the reductions of allreduce_async_
 
 
-def allreduce_async_(tensor: torch.Tensor, op: str, name: str) -> int:
-    """Start reducing ``tensor`` over ranks in place (``op``: a key of ``OPS``); ``wait`` ends it."""
-    return hvd.allreduce_async_(tensor, op=OPS[op], name=name)
+def allreduce_async_(tensor: torch.Tensor, op: str, name: str) -> Any:
+    """Start reducing ``tensor`` over ranks in place (``op``: one of ``OPS``); ``wait`` ends it."""
+    return _active().allreduce_async_(tensor, op, name)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str) -> Any:
     """Start overwriting ``tensor`` with ``root_rank``'s, in place; ``wait`` ends it."""
-    return hvd.broadcast_async_(tensor, root_rank, name=name)
+    return _active().broadcast_async_(tensor, root_rank, name)
 
 
-def wait(handle: int) -> torch.Tensor:
-    """The result of an operation ``allreduce_sum_async`` started (waits quietly until every rank
-    sent it: ``wait_quietly``)."""
-    wait_quietly([handle])
-    return hvd.synchronize(handle)
+def wait(handle: Any) -> torch.Tensor:
+    """The result of an operation started by one of the ``*_async`` functions."""
+    return _active().wait(handle)
 
 
 def allreduce_max(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Element-wise maximum over ranks (e.g. the slowest rank's time)."""
-    return hvd.allreduce(tensor, op=hvd.Max, name=name)
+    return _active().allreduce_max(tensor, name=name)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Concatenate every rank's tensor along dimension 0, in rank order."""
-    return hvd.allgather(tensor, name=name)
+    """Concatenate every rank's tensor along dimension 0 (of any length), in rank order."""
+    return _active().allgather(tensor, name=name)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None) -> torch.Tensor:
     """``root_rank``'s ``tensor`` on every rank (a new tensor)."""
-    return hvd.broadcast(tensor, root_rank, name=name)
+    return _active().broadcast(tensor, root_rank, name=name)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (objects.allgather_object)."""
+    return objects.allgather_object(obj, _active(), name=name)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """``root_rank``'s ``obj`` on every rank (objects.broadcast_object)."""
+    return objects.broadcast_object(obj, _active(), root_rank=root_rank, name=name)
 
 
 def barrier() -> None:
-    hvd.barrier()
+    _active().barrier()
 
 
 @contextlib.contextmanager
@@ -252,27 +259,27 @@ def local_rank_zero_first() -> Iterator[None]:
 
 
 def broadcast_state(state: Any, root_rank: int = 0) -> None:
-    """Make every rank's ``state`` equal to ``root_rank``'s.
+    """Make every rank's ``state`` (state.RunState: ``state_dict(exclude=...)``,
+    ``load_state_dict(d, exclude=...)``, a ``model``) equal to ``root_rank``'s: the model's tensors
+    by tensor broadcast, in place; everything else as one object."""
+    _active().broadcast_state(state, root_rank)
 
-    ``state`` has ``state_dict(exclude=...)`` / ``load_state_dict(d, exclude=...)`` and a ``model``
-    (state.RunState): the model's tensors go by Horovod's tensor broadcast, in place; everything
-    else (optimizer, GradScaler, position, registered components) as one object.
 
-    The optimizer state is never sent with Horovod's ``broadcast_optimizer_state``: that initializes
-    an empty state with a zero-gradient ``step()``, which applies weight decay to the parameters.
+def average_buffers(model: torch.nn.Module) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) across ranks, in place.
+
+    Without SyncBatchNorm each rank's running statistics follow its own shard; averaging them at
+    the end of an epoch gives every rank, and the checkpoint, one and the same model to evaluate.
     """
-    hvd.broadcast_parameters(state.model.state_dict(), root_rank=root_rank)
-    rest = state.state_dict(exclude=("model",)) if rank() == root_rank else None
-    rest = hvd.broadcast_object(rest, root_rank=root_rank, name="hvdtrain.train.state")
-    if rank() != root_rank:
-        state.load_state_dict(rest, exclude=("model",))
+    _active().average_buffers(model)
 
 
 # The optimizers ``distributed_optimizer`` made. ``hvd.DistributedOptimizer`` returns an instance of
 # a class it builds on the fly from the wrapped optimizer's class and a copy of the methods of one
 # of Horovod's private classes (which call ``super(self.__class__, self)``, so the instance's class
 # cannot be changed either): nothing public tells it apart from a plain optimizer. hvdtrain keeps
-# its own record instead of comparing methods with Horovod's internals.
+# its own record instead of comparing methods with Horovod's internals (the torch engine's
+# optimizer is the user's own, with hooks: the same record tells it apart).
 _DISTRIBUTED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
@@ -283,32 +290,16 @@ def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
 
 def synchronize(optimizer: torch.optim.Optimizer, quiet: bool = True) -> None:
     """Wait for the gradient allreduce of a distributed optimizer (nothing for a plain optimizer).
-    ``quiet``: nap while the allreduces in flight finish (``wait_quietly``) before Horovod's own
-    wait; Horovod's ``synchronize`` then finds them done (and starts, and waits for, those of
-    parameters that got no gradient)."""
+    ``quiet``: nap while the allreduces in flight finish before the engine's own wait (Horovod)."""
     if is_distributed(optimizer):
-        if quiet:
-            # DistributedOptimizer._handles: parameter (or group) -> (handle, context); None until sent.
-            wait_quietly(handle for handle, _ in list(getattr(optimizer, "_handles", {}).values()))
-        optimizer.synchronize()
+        _active().synchronize(optimizer, quiet=quiet)
 
 
 def skip_synchronize(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
     """Around ``step()`` after ``synchronize``: step without allreducing a second time."""
     if is_distributed(optimizer):
-        return optimizer.skip_synchronize()
+        return _active().skip_synchronize(optimizer)
     return contextlib.nullcontext()
-
-
-def average_buffers(model: torch.nn.Module) -> None:
-    """Average floating-point buffers (BatchNorm running statistics) across ranks, in place.
-
-    Without SyncBatchNorm each rank's running statistics follow its own shard; averaging them at
-    the end of an epoch gives every rank, and the checkpoint, one and the same model to evaluate.
-    """
-    buffers = [b for b in model.buffers() if b.is_floating_point()]
-    if size() > 1 and buffers:
-        hvd.grouped_allreduce_(buffers, op=hvd.Average, name="average_buffers")
 
 
 def distributed_optimizer(
@@ -320,35 +311,18 @@ def distributed_optimizer(
     sparse_as_dense: bool = False,
     bucket_mb: float = 0,
 ) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so that gradients are allreduced during backward.
-
-    Sparse gradients (embeddings with ``sparse=True``) go through Horovod's sparse path, an
-    allgather of every rank's indices and values, or with ``sparse_as_dense`` are made dense and
-    allreduced like the rest. With ``bucket_mb`` the gradients go in groups of about that size
-    (``gradient_buckets``); the caller leaves it 0 where gradients may be sparse."""
-    named_parameters = list(named_parameters)
-    groups = None
-    if bucket_mb > 0 and op != "adasum":  # Horovod's Adasum optimizer takes no groups
-        groups = gradient_buckets([p for _, p in named_parameters], bucket_mb)
-    wrapped = hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=named_parameters,
-        compression=Compression.fp16 if compression == "fp16" else Compression.none,
-        backward_passes_per_step=backward_passes_per_step,
-        op=hvd.Adasum if op == "adasum" else hvd.Average,
-        sparse_as_dense=sparse_as_dense,
-        groups=groups,
-    )
+    """``optimizer`` with its gradients averaged over the ranks during backward (the engine's
+    ``distributed_optimizer``): each gradient, or group of about ``bucket_mb`` MB, is sent as soon
+    as backward has made it on the last of ``backward_passes_per_step`` passes; ``synchronize``
+    waits for them; ``step()`` synchronizes unless inside ``skip_synchronize``. ``compression``
+    "fp16": float32 gradients travel as float16."""
+    wrapped = _active().distributed_optimizer(optimizer, named_parameters, compression=compression,
+                                              backward_passes_per_step=backward_passes_per_step, op=op,
+                                              sparse_as_dense=sparse_as_dense, bucket_mb=bucket_mb)
     _DISTRIBUTED.add(wrapped)
     return wrapped
 
 
-def elastic_run(func):
-    """Horovod Elastic's retry loop: ``func(state)`` runs again after every membership change,
-    once ``state`` has been rolled back (on a failure) and synchronized from rank 0."""
-    return hvd.elastic.run(func)
-
-
 def shutdown() -> None:
-    if hvd.is_initialized():
-        hvd.shutdown()
+    if _engine is not None:
+        _engine.shutdown()

@@ -1,4 +1,4 @@
-"""This process's place in the job as the launcher set it, before Horovod is initialized.
+"""This process's place in the job as the launcher set it, before the engine is initialized.
 
 Light on purpose (no torch, no Horovod): the CLI reads it to print a usage error or a config on
 one rank only, and ``dist`` falls back to it until ``init()``.
@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import socket
 
-# The variables launchers set, first match wins: horovodrun, Open MPI's mpirun, PMIx (srun
-# --mpi=pmix), MPICH/PMI, Slurm.
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-LOCAL_RANK_VARIABLES = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+# The variables launchers set, first match wins: horovodrun, torchrun (dist.engine=torch; before
+# the per-host launchers, since torchrun may itself run one per host under mpirun or srun), Open
+# MPI's mpirun, PMIx (srun --mpi=pmix), MPICH/PMI, Slurm.
+RANK_VARIABLES = ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+SIZE_VARIABLES = ("HOROVOD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARIABLES = ("HOROVOD_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                        "SLURM_LOCALID")
 
 
 def _first(names: tuple[str, ...], default: int) -> int:

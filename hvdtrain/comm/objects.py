@@ -1,24 +1,26 @@
 """Python objects between the ranks of a job: pickled (cloudpickle) into one byte tensor that a
 collective or two carries, for what is not a tensor (a file index, a stop decision, metrics).
-comm/dist.py offers them with the other collectives (``dist.broadcast_object``); Horovod is
-initialized by then, so its rank and size are the job's."""
+comm/dist.py offers them with the other collectives (``dist.broadcast_object``), over the engine
+it runs (``engine``: comm/horovod_engine.py or comm/torch_engine.py, initialized by then, so its
+rank and size are the job's)."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import cloudpickle
-import horovod.torch as hvd
 import torch
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, engine: ModuleType, name: str | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order (pickled; between the ranks of this job only).
 
     One allgather, where Horovod's own ``allgather_object`` takes two (the sizes, then the bytes) and
     builds its byte tensor one element at a time: each rank sends its pickle behind an 8-byte length,
     Horovod's allgather concatenates tensors of any length in rank order, and the lengths split the
-    result again. Every collective is a coordination round between the ranks (about 3-4 ms on 2 CPU
+    result again (the torch engine's allgather pads to the longest and cuts again). Every collective
+    is a coordination round between the ranks (about 3-4 ms on 2 CPU
     ranks here), and a run gathers a few objects at the end of every epoch. The default name is
     the same on every rank (Horovod's, the object's type name, hangs where ranks send None and a
     value)."""
@@ -26,18 +28,18 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     data = cloudpickle.dumps(obj)
     mine = bytearray(len(data).to_bytes(8, "little"))
     mine += data
-    gathered = hvd.allgather(torch.frombuffer(mine, dtype=torch.uint8), name=f"{name}.framed").numpy().tobytes()
+    gathered = engine.allgather(torch.frombuffer(mine, dtype=torch.uint8), name=f"{name}.framed").numpy().tobytes()
     objects, offset = [], 0
     while offset < len(gathered):
         length = int.from_bytes(gathered[offset:offset + 8], "little")
         objects.append(cloudpickle.loads(gathered[offset + 8:offset + 8 + length]))
         offset += 8 + length
-    if len(objects) != hvd.size():
-        raise RuntimeError(f"allgather_object {name}: {len(objects)} objects for {hvd.size()} ranks")
+    if len(objects) != engine.size():
+        raise RuntimeError(f"allgather_object {name}: {len(objects)} objects for {engine.size()} ranks")
     return objects
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(obj: Any, engine: ModuleType, root_rank: int = 0, name: str | None = None) -> Any:
     """``root_rank``'s ``obj`` on every rank (pickled; between the ranks of this job only).
 
     Horovod's own ``broadcast_object`` builds its byte tensor with ``torch.ByteTensor(bytearray(...))``,
@@ -45,18 +47,20 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     state). Here the pickle becomes a tensor over the same bytes (``torch.frombuffer``), and two
     broadcasts (size, then bytes) send it. The default name is the same on every rank: Horovod's,
     the object's type name, differs where only the root has the object (``x if is_primary else
-    None``), and ranks waiting on differently named broadcasts wait forever."""
+    None``), and ranks waiting on differently named broadcasts wait forever. An empty pickle (never
+    cloudpickle's) would skip the second broadcast on every rank alike."""
     name = "hvdtrain.broadcast_object" if name is None else name
-    if hvd.rank() == root_rank:
+    if engine.rank() == root_rank:
         data = bytearray(cloudpickle.dumps(obj))
         payload = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        hvd.broadcast_(size, root_rank, name=f"{name}.sz")
+        engine.broadcast_(size, root_rank, name=f"{name}.sz")
     else:
         size = torch.zeros(1, dtype=torch.int64)
-        hvd.broadcast_(size, root_rank, name=f"{name}.sz")
+        engine.broadcast_(size, root_rank, name=f"{name}.sz")
         payload = torch.empty(int(size[0]), dtype=torch.uint8)
-    hvd.broadcast_(payload, root_rank, name=f"{name}.t")
-    if hvd.rank() == root_rank:
+    if payload.numel():
+        engine.broadcast_(payload, root_rank, name=f"{name}.t")
+    if engine.rank() == root_rank:
         return obj
     return cloudpickle.loads(payload.numpy().tobytes())

@@ -92,6 +92,7 @@ def check_core(cfg: Config) -> None:
         raise ConfigError(f"config key 'dist.stall_shutdown_seconds' ({stall.stall_shutdown_seconds}) must exceed "
                           f"dist.stall_warning_seconds ({stall.stall_warning_seconds}), or be 0 (never)")
     step_range(cfg.runtime.timeline_steps)
+    check_engine(cfg)
     validate_finetune_and_augment(cfg)
     validate_recipes(cfg)
     if cfg.runtime.timeline_steps and not cfg.runtime.timeline:
@@ -205,6 +206,25 @@ def validate_step_schedule(optim) -> None:
     if changed and optim.schedule != "step":
         raise ConfigError(f"{changed[0]} is a setting of the step schedule: it needs optim.schedule=step, "
                           f"got {optim.schedule}")
+
+
+# What only Horovod does, by the key that asks for it: refused under dist.engine=torch.
+HOROVOD_ONLY = {
+    "elastic.enabled": ("Horovod Elastic", lambda cfg: cfg.elastic.enabled),
+    "runtime.timeline": ("Horovod's timeline", lambda cfg: bool(cfg.runtime.timeline)),
+    "dist.stall_shutdown_seconds": ("Horovod's stall inspector", lambda cfg: cfg.dist.stall_shutdown_seconds > 0),
+    "dist.op": ("Horovod's Adasum", lambda cfg: cfg.dist.op == "adasum"),
+}
+
+
+def check_engine(cfg: Config) -> None:
+    """Under dist.engine=torch, one line for each Horovod-only setting (HOROVOD_ONLY)."""
+    if cfg.dist.engine != "torch":
+        return
+    for key, (feature, asks) in HOROVOD_ONLY.items():
+        if asks(cfg):
+            raise ConfigError(f"config key '{key}' needs {feature}, which dist.engine=torch does not have: set "
+                              f"dist.engine=horovod (and launch with horovodrun) or turn {key} off")
 
 
 def validate_finetune_and_augment(cfg: Config) -> None:

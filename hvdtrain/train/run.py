@@ -91,7 +91,8 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
     tracking.require_packages(cfg)
     dist.init(gpu=wants_gpu(cfg), timeout_seconds=cfg.dist.timeout_seconds, elastic=elastic,
               stall_warning_seconds=cfg.dist.stall_warning_seconds,
-              stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline))
+              stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline),
+              engine=cfg.dist.engine)
     # What a setup that fails half-way has started is stopped again: a process may start another run.
     with contextlib.ExitStack() as undo:
         liveness, peers = build_peers(elastic)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hvdtrain.comm import dist, horovod_env
+from hvdtrain.comm import dist, horovod_engine, horovod_env
 from hvdtrain.comm.buckets import gradient_buckets
 from hvdtrain.config import ConfigError
 from hvdtrain.job_config import load_config
@@ -69,9 +69,9 @@ def test_stall_inspector_settings_become_horovods_variables():
 
 def test_an_unresolvable_hostname_stops_a_gloo_rank_before_horovod_starts(monkeypatch):
     monkeypatch.setenv(horovod_env.GLOO_RENDEZVOUS, "127.0.0.1")
-    monkeypatch.setattr(dist.launcher.socket, "gethostname", lambda: "no-such-host.invalid")
-    monkeypatch.setattr(dist.hvd, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist.hvd, "init", lambda: pytest.fail("hvd.init() ran"))
+    monkeypatch.setattr(horovod_engine.launcher.socket, "gethostname", lambda: "no-such-host.invalid")
+    monkeypatch.setattr(horovod_engine.hvd, "is_initialized", lambda: False)
+    monkeypatch.setattr(horovod_engine.hvd, "init", lambda: pytest.fail("hvd.init() ran"))
     with pytest.raises(ConfigError, match="this host's name 'no-such-host.invalid' does not resolve"):
         dist.init(gpu=False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.comm import dist
+from hvdtrain.comm import dist, horovod_engine
 from hvdtrain.job_config import load_config
 
 COLLECTIVES = ("allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -62,8 +62,8 @@ def test_a_joining_worker_calls_no_collective_before_the_state_sync(tiny_data, t
         return call
 
     for name in COLLECTIVES:
-        if hasattr(dist.hvd, name):
-            monkeypatch.setattr(dist.hvd, name, banned(name))
+        if hasattr(horovod_engine.hvd, name):
+            monkeypatch.setattr(horovod_engine.hvd, name, banned(name))
     run = newcomer_start(elastic_config(tiny_data, run_dir))
     assert called == []
     assert run.start_epoch == (1 if with_checkpoint else 0)

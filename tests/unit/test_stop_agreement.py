@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from hvdtrain.comm import dist
+from hvdtrain.comm import dist, horovod_engine
 from hvdtrain.fault import preemption
 from hvdtrain.fault.preemption import StopRequest
 
@@ -194,13 +194,13 @@ def test_a_quiet_wait_naps_while_it_is_short_and_leaves_a_long_one_to_horovod(mo
         clock["naps"].append(seconds)
         clock["now"] += 0.015
 
-    monkeypatch.setattr(dist.hvd, "poll", poll)
-    monkeypatch.setattr(dist.time, "sleep", nap)
-    monkeypatch.setattr(dist.time, "perf_counter", lambda: clock["now"])
-    dist.wait_quietly(iter([7, None, 8]))
+    monkeypatch.setattr(horovod_engine.hvd, "poll", poll)
+    monkeypatch.setattr(horovod_engine.time, "sleep", nap)
+    monkeypatch.setattr(horovod_engine.time, "perf_counter", lambda: clock["now"])
+    horovod_engine.wait_quietly(iter([7, None, 8]))
     assert looks[7] == 3
     # 8 was looked at until the 50 ms were spent (the 2 naps for 7 count: 30 ms), then left to Horovod
-    assert clock["naps"] == [dist.QUIET_POLL_SECONDS] * 4 and looks[8] == 3
+    assert clock["naps"] == [horovod_engine.QUIET_POLL_SECONDS] * 4 and looks[8] == 3
 
 
 def test_the_stop_names_the_first_signal_and_ctrl_c_is_sigint():

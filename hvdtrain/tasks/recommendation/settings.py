@@ -86,6 +86,10 @@ class RecommendationSettings:
                 raise ConfigError("recommendation.sparse_embeddings=true needs optim.weight_decay=0 (torch applies no "
                                   "weight decay to sparse gradients): regularize with recommendation.embedding_l2 "
                                   "instead")
+            if cfg.dist.engine == "torch" and not cfg.dist.sparse_as_dense:
+                raise ConfigError("recommendation.sparse_embeddings=true with dist.engine=torch needs "
+                                  "dist.sparse_as_dense=true (the torch engine averages gradients dense; Horovod's "
+                                  "sparse allgather is dist.engine=horovod's)")
             if cfg.dist.bucket_mb > 0:
                 raise ConfigError(f"dist.bucket_mb={cfg.dist.bucket_mb:g} cannot be used with "
                                   "recommendation.sparse_embeddings=true (Horovod's grouped allreduce takes no sparse "
