@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,7 +51,17 @@ def launch_command(kind: str, np_: int, program: list[str]) -> list[str]:
         return [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", controller] + python
     if kind == "mpirun":
         return ["mpirun", "-np", str(np_), "--oversubscribe", "-bind-to", "none", "-map-by", "slot"] + python
+    if kind == "torchrun":  # dist.engine=torch; rank 0's store on a port free now (bound, then let go)
+        return [str(BIN / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(np_),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + program
     raise ValueError(kind)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago: bound to port 0, read, released."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def launch(kind: str, np_: int, program: list[str], tmp_path: Path, timeout: int = JOB_TIMEOUT,

@@ -71,9 +71,11 @@ def warm_up() -> None:
               stall_shutdown_seconds=defaults.stall_shutdown_seconds, timeline=False)
 
     def shared_init(gpu=None, timeout_seconds=0, elastic=False, stall_warning_seconds=None,
-                    stall_shutdown_seconds=0, timeline=False) -> None:
+                    stall_shutdown_seconds=0, timeline=False, engine="horovod") -> None:
         # Gloo's own collective timeout stays the pool's (45 s, the default run's): the tests whose
         # subject is a timeout launch for real; hvdtrain's watchdog takes each job's own.
+        if engine != "horovod":
+            raise NeedsOwnLaunch(f"the shared ranks run the Horovod engine, the job asks for dist.engine={engine}")
         asked = {"gpu": bool(gpu), "elastic": elastic, "timeline": bool(timeline),
                  "stall": started["stall"] if stall_warning_seconds is None
                  else (stall_warning_seconds, stall_shutdown_seconds if stall_warning_seconds > 0 else 0)}

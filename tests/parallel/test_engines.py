@@ -1,0 +1,76 @@
+"""The two engines compute the same training: 2 ranks under torchrun with dist.engine=torch end
+with identical parameters on both ranks, equal to the same run under horovodrun with the Horovod
+engine, and a checkpoint the torch engine wrote mid-run resumes under the Horovod engine to the
+uninterrupted result. The run accumulates two backward passes per step and sends float16
+gradients, so the optimizer protocol, the compression and the accumulation are all compared.
+
+Tolerance: with 2 ranks each averaged element is one addition of the two ranks' values (commutative,
+so the same in any ring or order) and a halving (exact), in float16 for both engines; the data,
+sampler, seeds and broadcast are the engines' common code. Nothing is expected to differ; the
+tolerance (1e-6 absolute, rtol 0) only admits a last-bit difference that a different reduction
+order would give with more ranks, and is thousands of times below what one step with unaveraged
+(summed) gradients or one skipped step changes (the learning rate is 0.025 x gradients of ~1e-2).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, read_metrics, tiny
+
+ATOL = 1e-6
+COMMON = ["checkpoint.every_steps=3", "checkpoint.keep=10", "output.tensorboard=false",
+          "train.batch_size=4", "train.backward_passes_per_step=2", "dist.compression=fp16"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def torch_run(tiny_data, tmp_path_factory):
+    """The torch engine's uninterrupted run under torchrun: (its folder, its ranks' final states, stdout)."""
+    tmp_path = tmp_path_factory.mktemp("torch_engine")
+    run_dir = tmp_path / "run"
+    result = launch("torchrun", 2, [str(PROBE), str(tmp_path / "probe")]
+                    + tiny(tiny_data, run_dir, "dist.engine=torch", *COMMON), tmp_path)
+    return run_dir, final_states(tmp_path / "probe"), result.stdout
+
+
+def test_torch_engine_ranks_end_identical_and_count_every_sample(torch_run):
+    run_dir, states, stdout = torch_run
+    assert_bitwise_equal(states[0], states[1])
+    assert "2 ranks on 1 host(s) (gloo controller)" in stdout and "compression fp16" in stdout, stdout[-2000:]
+    records = read_metrics(run_dir)
+    # 4 steps x 2 passes x 4 images x 2 ranks = 64 training images an epoch; 21 validation images once each
+    assert [(r["split"], r["epoch"], r["samples"]) for r in records] == [
+        ("train", 0, 64), ("val", 0, 21), ("train", 1, 64), ("val", 1, 21)]
+
+
+def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, tiny_data, tmp_path):
+    torch_dir, torch_states, _ = torch_run
+    launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "horovod")]
+           + tiny(tiny_data, tmp_path / "horovod_run", *COMMON), tmp_path)
+    horovod_states = final_states(tmp_path / "horovod")
+    assert_bitwise_equal(horovod_states[0], horovod_states[1])
+    difference = max_difference(torch_states[0], horovod_states[0])
+    print(f"torch engine vs horovod engine: max |difference| {difference:g}")
+    assert difference <= ATOL, f"the engines' parameters differ by up to {difference:g}"
+    initial = torch.load(torch_dir / "checkpoints" / "step-00000003.pt", weights_only=False)["model"]
+    assert max_difference(initial, horovod_states[0]) > 1000 * ATOL  # the steps after it moved the weights
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(torch_dir / "checkpoints" / "step-00000003.pt", resumed / "checkpoints" / "last.pt")
+    result = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "resumed_probe")]
+                    + tiny(tiny_data, resumed, *COMMON), tmp_path)
+    assert "resumed from" in result.stdout and "at epoch 1, step 3/4" in result.stdout, result.stdout[-2000:]
+    resumed_states = final_states(tmp_path / "resumed_probe")
+    assert_bitwise_equal(resumed_states[0], resumed_states[1])
+    difference = max_difference(resumed_states[0], torch_states[0])
+    print(f"resumed under horovod vs uninterrupted torch: max |difference| {difference:g}")
+    assert difference <= ATOL, f"resumed under Horovod differs from the uninterrupted torch run by {difference:g}"
