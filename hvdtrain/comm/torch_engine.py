@@ -6,6 +6,7 @@ MASTER_ADDR and MASTER_PORT exported by the job script; a single process without
 needs nothing (an in-memory store). Gloo on CPU, NCCL on GPU. Collectives are matched by the order
 ranks start them (Horovod matches names): every rank must start the same ones in the same order,
 which the training loop does already, since Horovod's names are issued in the same order too.
+On GPU the group has two backends: NCCL for CUDA tensors, Gloo for CPU ones (metric sums, objects).
 The distributed optimizer is comm/torch_optimizer.py's.
 """
 
@@ -22,7 +23,7 @@ import torch.distributed as tdist
 
 from ..config import ConfigError
 from . import launcher_env as launcher
-from .objects import broadcast_object
+from .objects import allgather_object, broadcast_object
 from .torch_optimizer import GradientAverager
 
 NAME = "torch"
@@ -40,7 +41,9 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
     gpu = torch.cuda.is_available() if gpu is None else gpu
     rank, world_size = launcher.rank(), launcher.size()  # torchrun's, else srun's or mpirun's
     timeout = datetime.timedelta(seconds=max(30, timeout_seconds))
-    backend = "nccl" if gpu else "gloo"
+    # On GPU, CUDA tensors (gradients) go by NCCL and CPU tensors (metric sums, pickled objects, the
+    # stop agreement) by Gloo, as Horovod sends CPU tensors by its CPU operations.
+    backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -57,8 +60,7 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
 
 def count_hosts() -> None:
     """This rank's place among the ranks of its host (by host name, like Horovod's local rank)."""
-    names = [None] * size()
-    tdist.all_gather_object(names, launcher.host_name())
+    names = allgather_object(launcher.host_name(), sys.modules[__name__], name="hvdtrain.hosts")
     mine = names[rank()]
     _hosts.update(local_rank=names[:rank()].count(mine), local_size=names.count(mine), cross_size=len(set(names)))
 
@@ -88,7 +90,8 @@ def cross_size() -> int:
 
 
 def controller() -> str:
-    return tdist.get_backend()
+    """"gloo" on CPU; "nccl" on GPU (where CPU tensors still go by Gloo)."""
+    return "nccl" if "nccl" in str(tdist.get_backend()) else "gloo"
 
 
 def built() -> dict[str, bool]:
