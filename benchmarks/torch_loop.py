@@ -89,8 +89,10 @@ def main() -> None:
         step()
     sync()
     start = time.perf_counter()
+    timed_steps = 0  # counted, so that a caller can check the work it timed was done
     for _ in range(args.steps):
         step()
+        timed_steps += 1
     sync()
     seconds = time.perf_counter() - start
     total = args.steps * args.batch_size * world / seconds
@@ -101,7 +103,8 @@ def main() -> None:
         print(f"images_per_sec={total:.2f}", flush=True)
         if args.json:
             with open(args.json, "w") as handle:
-                json.dump({"images_per_sec": total, "world_size": world, "seconds": seconds}, handle)
+                json.dump({"images_per_sec": total, "world_size": world, "seconds": seconds, "steps": timed_steps,
+                           "samples": timed_steps * args.batch_size * world}, handle)
     if distributed:
         torch.distributed.destroy_process_group()
 
