@@ -58,6 +58,9 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
     alone (elastic, the stall inspector's shutdown, the timeline) in one line."""
     global _engine
     chosen = _load(engine)
+    problem = None if initialized() else launcher.torchrun_problem(chosen.NAME)
+    if problem:
+        raise ConfigError(problem)
     if _engine is not None and _engine is not chosen and _engine.initialized():
         raise ConfigError(f"dist.engine={engine}: this process already runs the {_engine.NAME} engine; "
                           "start a new process to change engines")

@@ -39,6 +39,17 @@ def local_rank() -> int:
     return _first(LOCAL_RANK_VARIABLES, 0)
 
 
+def torchrun_problem(engine: str) -> str | None:
+    """One line when torchrun started this process for more than one rank but ``engine`` is not the
+    torch engine: Horovod would start each rank as a job of its own (all of them rank 0, writing the
+    same folder), since torchrun sets none of the variables Horovod reads."""
+    started_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "HOROVOD_RANK" not in os.environ
+    if engine != "torch" and started_by_torchrun and _first(("WORLD_SIZE",), 1) > 1:
+        return (f"torchrun started this job ({os.environ['WORLD_SIZE']} ranks) but dist.engine={engine}: add "
+                "dist.engine=torch, or launch with horovodrun (or mpirun, srun) for the Horovod engine")
+    return None
+
+
 def host_name() -> str:
     """This rank's host as the launcher named it (horovodrun's -H name), else the machine's name."""
     return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()

@@ -47,6 +47,19 @@ def test_an_unknown_engine_names_the_choices():
         load_config("debug", ["dist.engine=mpi"])
 
 
+def test_torchrun_with_the_horovod_engine_stops_in_one_line(monkeypatch):
+    from hvdtrain.comm import launcher_env
+
+    monkeypatch.delenv("HOROVOD_RANK", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    problem = launcher_env.torchrun_problem("horovod")
+    assert problem and "\n" not in problem and "add dist.engine=torch" in problem
+    assert launcher_env.torchrun_problem("torch") is None
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single process under torchrun is one job either way
+    assert launcher_env.torchrun_problem("horovod") is None
+
+
 class TwoRanks:
     """Fake collectives of a two-rank job whose other rank sends ``other`` (the same value for every
     element): ``start`` records what goes out, ``wait`` averages it with the other rank's in the
