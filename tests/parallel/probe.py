@@ -40,6 +40,7 @@ def main() -> None:
         "launcher_env": launcher_env(),
         # Horovod's DistributedOptimizer: parameter -> the group its gradient is allreduced with.
         "gradient_groups": len(set(getattr(run.state.optimizer, "_p_to_group", {}).values())),
+        "horovod_modules": sorted(name for name in sys.modules if name == "horovod" or name.startswith("horovod.")),
     }, out / f"rank{dist.rank()}.pt")
 
 

@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, read_metrics, tiny
+from tests.helpers import PROBE, assert_bitwise_equal, final_states, free_port, launch, read_metrics, tiny
 
 ATOL = 1e-6
 COMMON = ["checkpoint.every_steps=3", "checkpoint.keep=10", "output.tensorboard=false",
@@ -33,17 +33,21 @@ def max_difference(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def torch_run(tiny_data, tmp_path_factory):
-    """The torch engine's uninterrupted run under torchrun: (its folder, its ranks' final states, stdout)."""
+    """The torch engine's uninterrupted run under torchrun: (its folder, its ranks' probe files, stdout)."""
     tmp_path = tmp_path_factory.mktemp("torch_engine")
     run_dir = tmp_path / "run"
     result = launch("torchrun", 2, [str(PROBE), str(tmp_path / "probe")]
                     + tiny(tiny_data, run_dir, "dist.engine=torch", *COMMON), tmp_path)
-    return run_dir, final_states(tmp_path / "probe"), result.stdout
+    probes = [torch.load(tmp_path / "probe" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_dir, probes, result.stdout
 
 
 def test_torch_engine_ranks_end_identical_and_count_every_sample(torch_run):
-    run_dir, states, stdout = torch_run
-    assert_bitwise_equal(states[0], states[1])
+    run_dir, probes, stdout = torch_run
+    assert [(p["rank"], p["size"], p["local_rank"], p["controller"]) for p in probes] == [
+        (0, 2, 0, "gloo"), (1, 2, 1, "gloo")]
+    assert [p["horovod_modules"] for p in probes] == [[], []]  # the torch engine imports no Horovod
+    assert_bitwise_equal(probes[0]["state"], probes[1]["state"])
     assert "2 ranks on 1 host(s) (gloo controller)" in stdout and "compression fp16" in stdout, stdout[-2000:]
     records = read_metrics(run_dir)
     # 4 steps x 2 passes x 4 images x 2 ranks = 64 training images an epoch; 21 validation images once each
@@ -52,7 +56,8 @@ def test_torch_engine_ranks_end_identical_and_count_every_sample(torch_run):
 
 
 def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, tiny_data, tmp_path):
-    torch_dir, torch_states, _ = torch_run
+    torch_dir, probes, _ = torch_run
+    torch_states = [p["state"] for p in probes]
     launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "horovod")]
            + tiny(tiny_data, tmp_path / "horovod_run", *COMMON), tmp_path)
     horovod_states = final_states(tmp_path / "horovod")
@@ -74,3 +79,19 @@ def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, 
     difference = max_difference(resumed_states[0], torch_states[0])
     print(f"resumed under horovod vs uninterrupted torch: max |difference| {difference:g}")
     assert difference <= ATOL, f"resumed under Horovod differs from the uninterrupted torch run by {difference:g}"
+
+
+def test_torch_engine_under_mpirun_takes_its_place_from_open_mpi(torch_run, tiny_data, tmp_path):
+    # mpirun sets OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, not torchrun's variables; the job script
+    # exports rank 0's address and a port. The same run ends equal to the torchrun one.
+    port = free_port()
+    launch("mpirun", 2, [str(PROBE), str(tmp_path / "probe")] + tiny(tiny_data, tmp_path / "run",
+                                                                      "dist.engine=torch", *COMMON),
+           tmp_path, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, own_launch=True)
+    probes = [torch.load(tmp_path / "probe" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [(p["rank"], p["size"], p["local_rank"]) for p in probes] == [(0, 2, 0), (1, 2, 1)]
+    assert "OMPI_COMM_WORLD_RANK" in probes[1]["launcher_env"] and "RANK" not in probes[1]["launcher_env"]
+    assert [p["horovod_modules"] for p in probes] == [[], []]
+    assert_bitwise_equal(probes[0]["state"], probes[1]["state"])
+    difference = max_difference(probes[0]["state"], torch_run[1][0]["state"])
+    assert difference <= ATOL, f"mpirun and torchrun runs of the torch engine differ by {difference:g}"
