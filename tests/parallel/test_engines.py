@@ -1,8 +1,10 @@
 """The two engines compute the same training: 2 ranks under torchrun with dist.engine=torch end
 with identical parameters on both ranks, equal to the same run under horovodrun with the Horovod
 engine, and a checkpoint the torch engine wrote mid-run resumes under the Horovod engine to the
-uninterrupted result. The run accumulates two backward passes per step and sends float16
-gradients, so the optimizer protocol, the compression and the accumulation are all compared.
+uninterrupted result. The run accumulates two backward passes per step, sends float16 gradients
+and trains with float16 autocast, a GradScaler and gradient clipping (synchronize, unscale, clip,
+step without a second allreduce), so the optimizer protocol, the compression, the accumulation and
+the scaler's skipped steps are all compared.
 
 Tolerance: with 2 ranks each averaged element is one addition of the two ranks' values (commutative,
 so the same in any ring or order) and a halving (exact), in float16 for both engines; the data,
@@ -23,7 +25,8 @@ from tests.helpers import PROBE, assert_bitwise_equal, final_states, free_port, 
 
 ATOL = 1e-6
 COMMON = ["checkpoint.every_steps=3", "checkpoint.keep=10", "output.tensorboard=false",
-          "train.batch_size=4", "train.backward_passes_per_step=2", "dist.compression=fp16"]
+          "train.batch_size=4", "train.backward_passes_per_step=2", "dist.compression=fp16",
+          "amp.enabled=true", "amp.dtype=float16", "optim.clip_grad_norm=1.0"]
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -62,6 +65,9 @@ def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, 
            + tiny(tiny_data, tmp_path / "horovod_run", *COMMON), tmp_path)
     horovod_states = final_states(tmp_path / "horovod")
     assert_bitwise_equal(horovod_states[0], horovod_states[1])
+    scales = [torch.load(folder / "checkpoints" / "last.pt", weights_only=False)["scaler"]["scale"]
+              for folder in (torch_dir, tmp_path / "horovod_run")]
+    assert scales[0] == scales[1] < 65536.0  # the same overflows skipped the same steps on both engines
     difference = max_difference(torch_states[0], horovod_states[0])
     print(f"torch engine vs horovod engine: max |difference| {difference:g}")
     assert difference <= ATOL, f"the engines' parameters differ by up to {difference:g}"
@@ -81,6 +87,7 @@ def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, 
     assert difference <= ATOL, f"resumed under Horovod differs from the uninterrupted torch run by {difference:g}"
 
 
+@pytest.mark.slow  # a launch of its own on top of the torchrun run
 def test_torch_engine_under_mpirun_takes_its_place_from_open_mpi(torch_run, tiny_data, tmp_path):
     # mpirun sets OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, not torchrun's variables; the job script
     # exports rank 0's address and a port. The same run ends equal to the torchrun one.
