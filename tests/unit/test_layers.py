@@ -170,3 +170,18 @@ def test_no_import_cycle_between_modules():
         lines += [f"  {found}" for found in IMPORTS if found.importer in members and found.imported in members
                   and found.importer != found.imported]
     assert not lines, "\n".join(lines)
+
+
+# What a dist.engine=torch run loads of comm/: none of it may import horovod, not even inside a
+# function (the facade loads comm/horovod_engine.py only when the Horovod engine is picked).
+TORCH_ENGINE_SIDE = ("hvdtrain.comm.dist", "hvdtrain.comm.torch_engine", "hvdtrain.comm.torch_optimizer",
+                     "hvdtrain.comm.objects", "hvdtrain.comm.buckets", "hvdtrain.comm.launcher_env")
+
+
+def test_the_torch_engine_side_of_comm_imports_no_horovod():
+    assert set(TORCH_ENGINE_SIDE) <= set(MODULES)
+    problems = [str(found) for found in IMPORTS
+                if found.importer in TORCH_ENGINE_SIDE and inside(found.imported, "horovod")]
+    assert not problems, "the torch engine's modules must not import horovod:\n" + "\n".join(problems)
+    loads = {found.imported for found in IMPORTS if found.importer == "hvdtrain.comm.dist"}
+    assert "hvdtrain.comm.horovod_engine" in loads  # (inside a function: the check above sees those too)

@@ -60,6 +60,23 @@ def test_torchrun_with_the_horovod_engine_stops_in_one_line(monkeypatch):
     assert launcher_env.torchrun_problem("horovod") is None
 
 
+def test_the_torch_engine_under_srun_or_mpirun_needs_master_addr_and_port(monkeypatch):
+    from hvdtrain.comm import torch_engine
+
+    for key in list(os.environ):
+        if key.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_", "PMI", "HOROVOD_", "SLURM_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert not torch_engine.initialized()
+    with pytest.raises(ConfigError) as caught:
+        torch_engine.init(gpu=False)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("dist.engine=torch needs MASTER_ADDR (") and "srun" in message
+    assert not torch_engine.initialized()
+
+
 class TwoRanks:
     """Fake collectives of a two-rank job whose other rank sends ``other`` (the same value for every
     element): ``start`` records what goes out, ``wait`` averages it with the other rank's in the
