@@ -44,6 +44,8 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
     # On GPU, CUDA tensors (gradients) go by NCCL and CPU tensors (metric sums, pickled objects, the
     # stop agreement) by Gloo, as Horovod sends CPU tensors by its CPU operations.
     backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
+    if gpu:  # NCCL's communicator takes the current device: this rank's, as the trainer pins it
+        torch.cuda.set_device(launcher.local_rank() % torch.cuda.device_count())
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -52,8 +54,6 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
             raise ConfigError(f"dist.engine=torch needs {' and '.join(missing)} (rank 0's host and a free port): "
                               "launch with torchrun, or export them in the job script for srun or mpirun "
                               "(e.g. MASTER_ADDR=$(hostname) MASTER_PORT=29500 on the first host)")
-        if gpu:
-            torch.cuda.set_device(launcher.local_rank() % torch.cuda.device_count())
         tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     count_hosts()
 
