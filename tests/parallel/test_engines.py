@@ -24,8 +24,8 @@ import torch
 from tests.helpers import PROBE, assert_bitwise_equal, final_states, free_port, launch, read_metrics, tiny
 
 ATOL = 1e-6
-COMMON = ["checkpoint.every_steps=3", "checkpoint.keep=10", "output.tensorboard=false",
-          "train.batch_size=4", "train.backward_passes_per_step=2", "dist.compression=fp16",
+COMMON = ["checkpoint.every_steps=1", "checkpoint.keep=10", "output.tensorboard=false",
+          "train.steps_per_epoch=2", "train.batch_size=4", "train.backward_passes_per_step=2", "dist.compression=fp16",
           "amp.enabled=true", "amp.dtype=float16", "optim.clip_grad_norm=1.0"]
 
 
@@ -53,9 +53,9 @@ def test_torch_engine_ranks_end_identical_and_count_every_sample(torch_run):
     assert_bitwise_equal(probes[0]["state"], probes[1]["state"])
     assert "2 ranks on 1 host(s) (gloo controller)" in stdout and "compression fp16" in stdout, stdout[-2000:]
     records = read_metrics(run_dir)
-    # 4 steps x 2 passes x 4 images x 2 ranks = 64 training images an epoch; 21 validation images once each
+    # 2 steps x 2 passes x 4 images x 2 ranks = 32 training images an epoch; 21 validation images once each
     assert [(r["split"], r["epoch"], r["samples"]) for r in records] == [
-        ("train", 0, 64), ("val", 0, 21), ("train", 1, 64), ("val", 1, 21)]
+        ("train", 0, 32), ("val", 0, 21), ("train", 1, 32), ("val", 1, 21)]
 
 
 def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, tiny_data, tmp_path):
@@ -79,7 +79,7 @@ def test_torch_engine_equals_the_horovod_engine_and_resumes_under_it(torch_run, 
     shutil.copy(torch_dir / "checkpoints" / "step-00000003.pt", resumed / "checkpoints" / "last.pt")
     result = launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "resumed_probe")]
                     + tiny(tiny_data, resumed, *COMMON), tmp_path)
-    assert "resumed from" in result.stdout and "at epoch 1, step 3/4" in result.stdout, result.stdout[-2000:]
+    assert "resumed from" in result.stdout and "at epoch 2, step 1/2" in result.stdout, result.stdout[-2000:]
     resumed_states = final_states(tmp_path / "resumed_probe")
     assert_bitwise_equal(resumed_states[0], resumed_states[1])
     difference = max_difference(resumed_states[0], torch_states[0])
