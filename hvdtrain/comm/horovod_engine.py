@@ -101,11 +101,14 @@ def initialized() -> bool:
 
 
 def rank() -> int:
-    return hvd.rank()
+    """This process's rank; before ``init()``, as the launcher set it (0 without a launcher), so
+    that the helpers below (``average_buffers``, ``broadcast_state``) answer for one process, as
+    they did when they lived in the facade."""
+    return hvd.rank() if hvd.is_initialized() else launcher.rank()
 
 
 def size() -> int:
-    return hvd.size()
+    return hvd.size() if hvd.is_initialized() else launcher.size()
 
 
 def local_rank() -> int:
