@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,6 +108,7 @@ class Job:
     def run(self) -> int:
         saved_env, saved_cwd, saved_argv, saved_path = dict(os.environ), os.getcwd(), sys.argv, list(sys.path)
         saved_streams, saved_modules = (sys.stdout, sys.stderr), set(sys.modules)
+        saved_cores, saved_filters = sorted(os.sched_getaffinity(0)), list(warnings.filters)
         saved_handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS if sig != signal.SIGUSR2}
         exits: list[tuple[Callable, tuple, dict]] = []
         register = atexit.register
@@ -133,6 +135,7 @@ class Job:
             os.chdir(saved_cwd)
             sys.argv, sys.path[:] = saved_argv, saved_path
             forget_modules(set(sys.modules) - saved_modules)
+            fresh_process_state(saved_cores, saved_filters)
             stop_forkserver()
             gc.collect()
             release_heap()
@@ -166,6 +169,20 @@ class Job:
             return 1
         finally:
             RUNNING.clear()
+
+
+def fresh_process_state(cores: list[int], filters: list) -> None:
+    """What a fresh process would start the next job with: every thread back on the cores this one
+    started on (a job's runtime.cpu_affinity binds them, and the next job would take that binding
+    for its launcher's), and Python's warnings filters as they were with every "once per place"
+    record forgotten (else a warning a job gave is never shown, or counted, in the next)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    warnings.filters[:] = filters
+    warnings._filters_mutated()  # every module's __warningregistry__ is stale from here on
 
 
 def release_heap() -> None:
