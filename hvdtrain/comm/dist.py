@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..config import ConfigError
+from ..config.checks import horovod_only
 from . import launcher_env as launcher
 from . import objects
 
@@ -69,19 +70,13 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
                                 ("dist.stall_shutdown_seconds", stall_shutdown_seconds, "Horovod's stall inspector"),
                                 ("runtime.timeline", timeline, "Horovod's timeline")):
             if value:
-                raise ConfigError(refusal(key, why))
+                raise ConfigError(horovod_only(key, why))
         chosen.init(gpu=gpu, timeout_seconds=timeout_seconds)
     else:
         chosen.init(gpu=gpu, timeout_seconds=timeout_seconds, elastic=elastic,
                     stall_warning_seconds=stall_warning_seconds, stall_shutdown_seconds=stall_shutdown_seconds,
                     timeline=timeline)
     _engine = chosen
-
-
-def refusal(key: str, feature: str) -> str:
-    """The one line that refuses a Horovod-only ``feature`` (set by config ``key``) under the torch engine."""
-    return (f"config key '{key}' needs {feature}, which dist.engine=torch does not have: set dist.engine=horovod "
-            f"(and launch with horovodrun) or turn {key} off")
 
 
 def __getattr__(name: str) -> Any:

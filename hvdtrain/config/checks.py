@@ -223,8 +223,14 @@ def check_engine(cfg: Config) -> None:
         return
     for key, (feature, asks) in HOROVOD_ONLY.items():
         if asks(cfg):
-            raise ConfigError(f"config key '{key}' needs {feature}, which dist.engine=torch does not have: set "
-                              f"dist.engine=horovod (and launch with horovodrun) or turn {key} off")
+            raise ConfigError(horovod_only(key, feature))
+
+
+def horovod_only(key: str, feature: str) -> str:
+    """The one line that refuses a Horovod-only ``feature`` (set by config ``key``) under the torch
+    engine; comm/dist.py's init says the same to a caller that skipped the config."""
+    return (f"config key '{key}' needs {feature}, which dist.engine=torch does not have: set dist.engine=horovod "
+            f"(and launch with horovodrun) or turn {key} off")
 
 
 def validate_finetune_and_augment(cfg: Config) -> None:
