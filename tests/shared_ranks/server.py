@@ -176,11 +176,9 @@ def fresh_process_state(cores: list[int], filters: list) -> None:
     started on (a job's runtime.cpu_affinity binds them, and the next job would take that binding
     for its launcher's), and Python's warnings filters as they were with every "once per place"
     record forgotten (else a warning a job gave is never shown, or counted, in the next)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # a thread that ended meanwhile
-            pass
+    from hvdtrain.launch.placement import bind_threads  # imported by warm_up already
+
+    bind_threads(cores)
     warnings.filters[:] = filters
     warnings._filters_mutated()  # every module's __warningregistry__ is stale from here on
 
