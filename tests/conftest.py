@@ -14,8 +14,9 @@ collect_ignore = [] if os.environ.get("HVDTRAIN_TEST_IMAGE") else ["image"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tiers of pytest.ini, by where a test lives: ``pytest -m "not slurm"`` and the like; and
-    the groups pytest-xdist keeps on one worker (``make test``: ``-n 2 --dist loadgroup``)."""
+    """The tiers of pytest.ini, by where a test lives (``slurm``: by the cluster it asks for, since a
+    unit test of a batch script needs no Slurm): ``pytest -m "not slurm"`` and the like; and the
+    groups pytest-xdist keeps on one worker (``make test``: ``-n 2 --dist loadgroup``)."""
     for item in items:
         path = Path(str(item.fspath))
         folder = path.parent.name
@@ -25,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("multinode")
         if folder == "image":
             item.add_marker("image")
-        if "slurm" in path.stem:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker("slurm")
         if path.stem == "test_ray":
             item.add_marker("ray")
