@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,16 +104,31 @@ def training_processes(marker: str) -> dict[int, dict[str, str]]:
 
 
 def wait_for_line(job: subprocess.Popen, text: str, timeout: float = 180, lines: list[str] | None = None) -> list[str]:
-    """Read ``job``'s output until a line contains ``text``; returns (and extends) the lines read."""
+    """Read ``job``'s output until a line contains ``text``; returns (and extends) the lines read.
+
+    The deadline holds while the job prints nothing: each line is read by a helper thread that the
+    wait gives up on at the deadline (a plain ``readline()`` would block past it for as long as a
+    hung job keeps its pipe open). The job's later output stays readable through ``job.stdout``."""
     lines, deadline = ([] if lines is None else lines), time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = job.stdout.readline()
+    while (line := _readline_before(job.stdout, deadline)) is not None:
         if not line:
-            break
+            raise AssertionError(f"'{text}' never appeared before the output ended:\n{''.join(lines)[-3000:]}")
         lines.append(line)
         if text in line:
             return lines
-    raise AssertionError(f"'{text}' never appeared:\n{''.join(lines)[-3000:]}")
+    raise AssertionError(f"'{text}' did not appear within {timeout:g} s:\n{''.join(lines)[-3000:]}")
+
+
+def _readline_before(stream, deadline: float) -> str | None:
+    """One line of ``stream`` ('' at its end), or None when none came before ``deadline``."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return None
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(remaining)
+    return read[0] if read else None
 
 
 DEBUG = ["--config", "debug"]
