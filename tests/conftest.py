@@ -31,6 +31,19 @@ def pytest_collection_modifyitems(config, items):
         if path.stem == "test_ray":
             item.add_marker("ray")
         group_for_xdist(config, item, "machine" if folder == "multinode" else item.nodeid.split("::")[0])
+        give_a_deadline(config, item, folder)
+
+
+# Each test's deadline in seconds, by tier: the last guard against a hang, far above the slowest test
+# of its tier (about 100 s for a Slurm requeue, 85 s for a launched test, on a quiet 2-core machine;
+# CI's machines are up to 2.4 times slower). A test's own ``@pytest.mark.timeout(N)`` wins.
+DEADLINES = {"unit": 300, "parallel": 900, "shared_ranks": 900, "multinode": 1800, "image": 3600}
+
+
+def give_a_deadline(config, item, folder: str) -> None:
+    """pytest-timeout's mark for ``item`` (fixture set-up included), where the plugin is installed."""
+    if config.pluginmanager.hasplugin("timeout") and item.get_closest_marker("timeout") is None:
+        item.add_marker(pytest.mark.timeout(DEADLINES.get(folder, 300)))
 
 
 def group_for_xdist(config, item, group: str) -> None:
