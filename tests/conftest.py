@@ -3,6 +3,7 @@ tests/helpers.py."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 from pathlib import Path
@@ -125,8 +126,26 @@ def pytest_sessionfinish(session):
 
 
 def pytest_configure(config):
+    if os.environ.get("HVDTRAIN_REQUIRE_EXTRAS") == "1":
+        pytest.importorskip = import_or_fail
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(WorkerSummaries(), "shared_ranks_summaries")
+
+
+def import_or_fail(modname: str, minversion: str | None = None, reason: str | None = None, **kwargs):
+    """``pytest.importorskip`` where every extra must be there (``HVDTRAIN_REQUIRE_EXTRAS=1``, which
+    .ci/run sets: CI installs the test extra, so a test skipped for a missing package would hide a
+    broken install): the missing package fails the module instead of skipping it."""
+    try:
+        module = importlib.import_module(modname)
+    except ImportError as error:
+        pytest.fail(f"{modname} is required (HVDTRAIN_REQUIRE_EXTRAS=1) but does not import: {reason or error}",
+                    pytrace=False)
+    if minversion is not None:
+        from packaging.version import Version
+        if Version(getattr(module, "__version__", "0")) < Version(minversion):
+            pytest.fail(f"{modname} {minversion} or newer is required (HVDTRAIN_REQUIRE_EXTRAS=1)", pytrace=False)
+    return module
 
 
 class WorkerSummaries:

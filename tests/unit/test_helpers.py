@@ -43,3 +43,25 @@ def test_lines_after_the_awaited_one_stay_readable():
     assert wait_for_line(job, "c", timeout=60) == ["b\n", "c\n"]
     job.wait()
 
+
+def _run_pytest(tmp_path, env_value: str | None) -> subprocess.CompletedProcess:
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    test = tmp_path / "test_needs_an_extra.py"
+    test.write_text("import pytest\n\npytest.importorskip('hvdtrain_no_such_extra')\n\n\ndef test_it():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "HVDTRAIN_REQUIRE_EXTRAS"}
+    if env_value is not None:
+        env["HVDTRAIN_REQUIRE_EXTRAS"] = env_value
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q",
+                           str(test)], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_missing_extra_skips_by_default_and_fails_where_extras_are_required(tmp_path):
+    skipped = _run_pytest(tmp_path, None)
+    assert skipped.returncode == 5 and "1 skipped" in skipped.stdout, skipped.stdout  # 5: no test ran
+    failed = _run_pytest(tmp_path, "1")
+    assert failed.returncode != 0, failed.stdout
+    assert "hvdtrain_no_such_extra is required (HVDTRAIN_REQUIRE_EXTRAS=1)" in failed.stdout, failed.stdout
