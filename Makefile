@@ -24,8 +24,10 @@ TEST_WORKERS ?= 2
 
 # The house rules a tool keeps: ruff's lint (pyproject.toml, [tool.ruff]) before any test; the
 # module-size and layering contracts are unit tests (tests/unit/test_module_size.py, test_layers.py).
-# ruff comes with the test extra (scripts/test-deps.sh), as pytest-xdist does.
+# ruff comes with the test extra (scripts/test-deps.sh, which lint runs first: make test-fast right
+# after make setup finds ruff, pytest-xdist and pytest-timeout), as pytest-xdist does.
 lint: setup
+	@VENV="$(VENV)" bash scripts/test-deps.sh
 	$(VENV)/bin/ruff check .
 
 test: setup
