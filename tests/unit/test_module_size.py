@@ -1,6 +1,7 @@
 """No module of the package over MAX_LINES lines: past that, a module holds more than one idea and
-a newcomer cannot find "where is X?" in one guess (STYLE.md, "Folders answer"). Split along a real
-seam, not by line count."""
+a newcomer cannot find "where is X?" in one guess, where timm's one-concept-per-file layout
+(``timm/data/loader.py``, ``timm/utils/checkpoint_saver.py``) lets them. Split along a real seam, not
+by line count."""
 
 from __future__ import annotations
 
