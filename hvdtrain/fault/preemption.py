@@ -92,6 +92,7 @@ class StopRequest:
         signal ahead of the time limit can come at any moment of a short job; one that came while
         ``python -m hvdtrain`` was still importing (fault/signals.py) is taken over here.
         ``release_early()`` gives the process its handlers back."""
+        signals.mark_helpers()  # a loop of the user's own, not started by python -m hvdtrain
         self.before_early = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
         if self.received is None and signals.caught() is not None:
             self.received, self.received_at = signals.caught(), time.monotonic()
@@ -103,6 +104,7 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["StopRequest"]:
+        signals.mark_helpers()
         previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
         watcher = None
         if self.notice != "none":

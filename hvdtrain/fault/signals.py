@@ -32,6 +32,10 @@ STARTED = time.time()
 # Ctrl-C too: a stop like the others (fault/preemption.py); a second one interrupts at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOP_FILE_VARIABLE = "HVDTRAIN_STOP_FILE"
+# The PID of the process that takes the stop signals, in the environment of every process it starts
+# from then on (loader workers, the forkserver that starts them), which leave the signals to it:
+# ``hvdtrain launch`` counts those out of a rank when it waits for the rank to catch them.
+TAKER_VARIABLE = "HVDTRAIN_SIGNALS_TAKER"
 
 _caught: list[int] = []  # appended to by the handler: safe when a second signal interrupts the first
 _before: dict[int, Any] = {}
@@ -47,8 +51,15 @@ def catch() -> None:
     """From now on, SIGTERM, SIGUSR1 and a first SIGINT are recorded instead of ending the process."""
     if _before:
         return
+    mark_helpers()
     for sig in STOP_SIGNALS:
         _before[sig] = signal.signal(sig, _record)
+
+
+def mark_helpers() -> None:
+    """The processes this one starts from now on carry its PID (``TAKER_VARIABLE``): they are its
+    helpers, which leave the stop signals to it, and no rank of their own."""
+    os.environ[TAKER_VARIABLE] = str(os.getpid())
 
 
 def catching() -> bool:

@@ -10,27 +10,32 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+from ..fault.signals import TAKER_VARIABLE
 from .records import TOKEN_VARIABLE
 
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")  # set by horovodrun --gloo, by mpirun
 
 
 def local_ranks(launcher_pid: int, token: str) -> dict[int, tuple[int, str]]:
-    """The job's ranks on this host, with their loader workers (which ignore stop signals) and any
-    shell a rank was started through: the launcher's descendants whose environment has the job's
-    token and a rank variable, as pid -> (parent pid, rank). horovodrun, its shell and mpirun carry
-    the token but no rank variable."""
+    """The job's ranks on this host, with any shell a rank was started through: the launcher's
+    descendants whose environment has the job's token and a rank variable, as pid -> (parent pid,
+    rank). horovodrun, its shell and mpirun carry the token but no rank variable. A rank's helpers
+    (its loader workers, the forkserver that starts them), which leave the stop signals to the rank
+    and never catch them, carry the rank's PID (``TAKER_VARIABLE``, fault/signals.py) and are left
+    out; loader workers a rank forks (``data.mp_context=fork``) show its start-up environment and
+    stay in, as the rank's children (``Forwarder.ready``)."""
     import psutil  # Horovod's own dependency; main() imports it before any signal can come
 
     try:
         children = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.Error:
         return {}
-    found = {}
+    found, takers = {}, {}
     for child in children:
         try:
             environ = child.environ()
@@ -40,7 +45,9 @@ def local_ranks(launcher_pid: int, token: str) -> dict[int, tuple[int, str]]:
         rank = next((environ[name] for name in RANK_VARIABLES if name in environ), None)
         if environ.get(TOKEN_VARIABLE) == token and rank is not None:
             found[child.pid] = (parent, rank)
-    return found
+            takers[child.pid] = environ.get(TAKER_VARIABLE, "")
+    return {pid: found[pid] for pid in found
+            if not (takers[pid].isdigit() and int(takers[pid]) != pid and int(takers[pid]) in found)}
 
 
 def disposition(pid: int, signum: int, proc: Path = Path("/proc")) -> str:
@@ -120,9 +127,12 @@ class Forwarder:
     def deliver(self, signum: int) -> None:
         """Once every rank here catches ``signum`` (the innermost processes of the ranks' trees: a
         shell a rank runs under waits for its Python), it goes to the processes that catch it; a
-        shell is left alone (ending it would end its rank)."""
-        deadline = time.monotonic() + self.READY_WAIT_SECONDS
+        shell is left alone (ending it would end its rank). One line says when it went (``said``)."""
+        came = time.monotonic()
+        deadline = came + self.READY_WAIT_SECONDS
+        looks = 0
         while self.job.poll() is None:
+            looks += 1
             ranks = local_ranks(self.job.pid, self.token) if self.ranks_here else {}
             parents = {parent for parent, _ in ranks.values()}
             innermost = [pid for pid in ranks if pid not in parents]
@@ -133,18 +143,30 @@ class Forwarder:
             if innermost and started >= (self.expected_here or 1) \
                     and all(self.ready(pid, ranks, signal.SIGTERM) for pid in innermost):
                 self.kill([pid for pid in ranks if disposition(pid, signal.SIGTERM) == "caught"], signum)
+                self.said(signum, ranks, "at once, all of them catching it" if looks == 1 else
+                          f"after {time.monotonic() - came:.1f} s, once all had started and caught it")
                 return
             if not self.ranks_here or time.monotonic() > deadline:
                 self.kill(list(ranks), signum)
                 if not ranks:
                     with contextlib.suppress(OSError):
                         self.job.send_signal(signum)
+                elif self.ranks_here:
+                    self.said(signum, ranks, f"after waiting {self.READY_WAIT_SECONDS:.0f} s for all of them "
+                                             "to catch it (one that does not ends on it)")
                 return
             later = self.next_signal(0.05)  # ranks still starting: /proc says when they catch it
             if later is not None:
                 self.again(later)
                 if later == signal.SIGINT and self.first == signal.SIGINT:
                     return
+
+    @staticmethod
+    def said(signum: int, ranks: dict[int, tuple[int, str]], when: str) -> None:
+        """The launcher's line for a stop signal handed on: which, to which ranks, and when."""
+        numbers = sorted({rank for _, rank in ranks.values()}, key=lambda rank: int(rank) if rank.isdigit() else -1)
+        print(f"hvdtrain launch: {signal.Signals(signum).name} passed on to rank{'s' * (len(numbers) > 1)} "
+              f"{', '.join(numbers)} on this host {when}", file=sys.stderr, flush=True)
 
     @staticmethod
     def ready(pid: int, ranks: dict[int, tuple[int, str]], signum: int) -> bool:

@@ -264,6 +264,7 @@ def main(argv: list[str]) -> int:
 def launch(argv: list[str], token: str, records_folder: Path) -> int:
     """horovodrun with ``argv``, its output copied, the stop signals handed on: the code to return."""
     env = {**os.environ, TOKEN_VARIABLE: token, RECORDS_VARIABLE: str(records_folder)}
+    env.pop(signals.TAKER_VARIABLE, None)  # this launcher's: its ranks are no helpers of it
     try:
         # horovodrun in a process group of its own: a terminal's Ctrl-C reaches this launcher alone,
         # which passes it on as SIGINT to the ranks (below); horovodrun would end them with SIGTERM,

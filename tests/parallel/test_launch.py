@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -195,6 +196,48 @@ def test_a_stop_signal_to_the_launcher_alone_reaches_the_ranks_which_checkpoint(
         job.kill()
     output = "".join(lines) + rest
     assert job.returncode == 75, output
+    assert "stopped by SIGTERM in epoch" in output and "Traceback" not in output, output
+    assert rank_pids(str(run_dir)) == {}
+
+
+def helpers_of(pids: set[int]) -> tuple[list[int], list[int]]:
+    """The forkservers the processes ``pids`` started, and the loader workers those forked (the
+    same argv): every one carries the PID of the process in ``pids`` that takes its stop signals."""
+    servers, workers = [], []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        taker = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"HVDTRAIN_SIGNALS_TAKER=")), b"")
+        if b"forkserver" in argv and taker.isdigit() and int(taker) in pids:
+            (servers if parent in pids else workers).append(int(entry.name))
+    return servers, workers
+
+
+def test_a_stop_signal_reaches_ranks_with_forkserver_loader_workers_at_once(tiny_data, tmp_path):
+    """The default loader (workers started by a forkserver, which never catches a stop signal): the
+    launcher passes a SIGTERM on at once, as its own line says, and the ranks checkpoint and exit 75.
+    It used to wait for the forkserver to catch it, up to 30 s, past many a scheduler's grace time."""
+    run_dir = tmp_path / "run"
+    program = ["-m", "hvdtrain", *tiny(tiny_data, run_dir, "train.epochs=1000", "data.workers=1")]
+    job = subprocess.Popen(launched("--gloo", program), cwd=tmp_path, env=job_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = wait_for_line(job, "epoch 1/1000 ")
+        ranks = set(rank_pids(str(run_dir)).values())
+        servers, workers = helpers_of(ranks)
+        assert len(ranks) == 2 and len(servers) == 2 and len(workers) >= 2, (ranks, servers, workers)
+        job.send_signal(signal.SIGTERM)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    output = "".join(lines) + rest
+    assert job.returncode == 75, output
+    assert "hvdtrain launch: SIGTERM passed on to ranks 0, 1 on this host at once, all of them catching it" \
+        in output.splitlines(), output
     assert "stopped by SIGTERM in epoch" in output and "Traceback" not in output, output
     assert rank_pids(str(run_dir)) == {}
 

@@ -54,11 +54,37 @@ LAUNCHER = ("import sys; from hvdtrain.fault import signals; signals.catch(); "
             "sys.exit(l.main(sys.argv[2:]))")
 
 
-def start_launcher(tmp_path: Path, **extra: str) -> subprocess.Popen:
+# A rank as hvdtrain's are with the default loader: it catches the stop signals first thing, and its
+# loader workers come from a forkserver, a child of the rank that keeps SIGTERM's default action and
+# never catches it, whose children (the workers) ignore it. The workers end when the server does.
+RANK_WITH_FORKSERVER = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+from hvdtrain.fault import signals
+from hvdtrain.launch.horovodrun import record_exit
+signals.catch()
+log = Path(os.environ["LOG"])
+worker = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          f"open({str(log)!r}, 'a').write('worker '); sys.stdin.read()")
+server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                           f"subprocess.Popen([sys.executable, '-c', {worker!r}], stdin=subprocess.PIPE).wait()"])
+while "worker" not in log.read_text():
+    time.sleep(0.01)
+with log.open("a") as out:
+    out.write("ready\\n")
+while signals.caught() is None:
+    time.sleep(0.01)
+server.kill()
+record_exit(0, 75, "stopped by SIGTERM")
+sys.exit(75)
+"""
+
+
+def start_launcher(tmp_path: Path, rank: str = RANK, **extra: str) -> subprocess.Popen:
     fake = tmp_path / "horovodrun"
     fake.write_text(FAKE_HOROVODRUN)
     fake.chmod(0o755)
-    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "rank.py").write_text(rank)
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "RANK_SCRIPT": str(tmp_path / "rank.py"),
            "LOG": str(tmp_path / "log"), "GO": str(tmp_path / "go"), **extra}
     return subprocess.Popen([sys.executable, "-c", LAUNCHER, str(fake), "-np", "1", "-H", "localhost:1", "x"],
@@ -105,6 +131,52 @@ def test_a_ranks_exit_record_reaches_the_launcher_when_its_output_is_lost(tmp_pa
     _, err = job.communicate(timeout=60)
     assert job.returncode == 75, err
     assert err.strip().splitlines()[-1].endswith("rank 0: stopped by SIGTERM")
+
+
+def test_a_stop_goes_to_a_rank_at_once_whatever_its_loader_workers_parent(tmp_path):
+    """Loader workers started by a forkserver are its children, and the server never catches the stop
+    signals: counted as part of the rank, it held the signal back for READY_WAIT_SECONDS (30 s).
+    The rank's helpers carry its PID and are left out; the launcher says the signal went at once."""
+    (tmp_path / "log").write_text("")
+    job = start_launcher(tmp_path, RANK_WITH_FORKSERVER)
+    try:
+        wait_for(tmp_path / "log", "ready", job)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 75, err
+    assert "hvdtrain launch: SIGTERM passed on to rank 0 on this host at once, all of them catching it" in \
+        err.splitlines(), err
+    assert err.strip().splitlines()[-1].endswith("rank 0: stopped by SIGTERM")
+
+
+def test_a_ranks_helpers_are_no_ranks_of_their_own(tmp_path, monkeypatch):
+    """What ``local_ranks`` counts: the rank (and a shell above it), not the processes that carry
+    its PID as the stop signals' taker; the launcher's own PID in a rank's environment changes nothing."""
+    import psutil
+
+    class Child:
+        def __init__(self, pid, ppid, **environ):
+            self.pid, self._ppid, self._environ = pid, ppid, {"HVDTRAIN_LAUNCH_TOKEN": "t", **environ}
+
+        def environ(self):
+            return self._environ
+
+        def ppid(self):
+            return self._ppid
+
+    assert launch.TOKEN_VARIABLE == "HVDTRAIN_LAUNCH_TOKEN"
+    taker = signals.TAKER_VARIABLE
+    children = [Child(10, 1, HOROVOD_RANK="0"),                                    # a shell
+                Child(11, 10, HOROVOD_RANK="0", **{taker: "1"}),                   # the rank, launcher's PID
+                Child(12, 11, HOROVOD_RANK="0", **{taker: "11"}),                  # its forkserver
+                Child(13, 12, HOROVOD_RANK="0", **{taker: "11"}),                  # a loader worker
+                Child(14, 11, HOROVOD_RANK="0"),                                   # a worker it forked
+                Child(20, 1, OMPI_COMM_WORLD_RANK="1", **{taker: "20"}),           # a rank that is its own
+                Child(30, 1)]                                                      # mpirun: no rank
+    monkeypatch.setattr(psutil.Process, "children", lambda self, recursive: children)
+    assert launch.local_ranks(os.getpid(), "t") == {10: (1, "0"), 11: (10, "0"), 14: (11, "0"), 20: (1, "1")}
 
 
 def test_a_stop_before_the_launch_ends_it_with_75_and_starts_nothing(tmp_path):
