@@ -10,8 +10,11 @@ On a shared cluster other users can write to scratch folders (``chmod 1777``) an
   user's or root's and not writable by group or others unless its sticky bit is set (``/tmp``,
   ``/scratch``), and no link on the way belongs to another user. Otherwise it is refused in one line
   naming the folder, its owner and the fix (``own_folder``). With ``share="group"`` the folders above
-  may also be the group's (a project folder): only one anyone can write without the sticky bit is
-  refused.
+  may also be another member's (a project folder), but one the group (or anyone) can write must have
+  the sticky bit too, or a member could rename another's run folder and put a different one in its
+  place: refused, with ``chmod +t`` as the fix. Checkpoints go further: they are written, linked and
+  pruned through a descriptor of their folder opened once (``open_folder``, ``replace_file``'s
+  ``dir_fd``), so a rename after the check moves the folder they land in instead of redirecting them.
 - **Files are written without following links**: a log is appended through ``O_NOFOLLOW`` and must
   then be a regular file of the user's with one name (``open_append``); anything else is written whole
   to a fresh ``O_EXCL`` temporary file in the same folder and renamed over its name (``replace_file``,
@@ -31,12 +34,13 @@ Light on purpose (the standard library only): every layer, from the config to th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import os
 import pwd
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 from typing import IO, Callable
 
@@ -110,15 +114,12 @@ def describe(info: os.stat_result) -> str:
 def _above_problem(folder: Path, info: os.stat_result, share: str) -> str | None:
     """Why someone other than the user or root could swap what lies in ``folder`` (a folder above
     one hvdtrain writes into), or None."""
-    sticky = bool(info.st_mode & stat.S_ISVTX)
-    if share == GROUP:
-        if info.st_mode & stat.S_IWOTH and not sticky:
-            return f"the folder {folder} above it can be written by anyone ({describe(info)})"
-        return None
-    if not trusted_owner(info.st_uid):
+    if share != GROUP and not trusted_owner(info.st_uid):
         return f"the folder {folder} above it belongs to {owner_name(info.st_uid)}, who could swap it"
-    if writable_by_others(info) and not sticky:
-        return f"the folder {folder} above it can be written by others ({describe(info)}) without the sticky bit"
+    if writable_by_others(info) and not info.st_mode & stat.S_ISVTX:
+        whom = "anyone" if info.st_mode & stat.S_IWOTH else "its group"
+        return (f"the folder {folder} above it can be written by {whom} ({describe(info)}) without the sticky bit, "
+                f"so another user could rename what is in it")
     return None
 
 
@@ -183,7 +184,43 @@ def own_folder(path: str | os.PathLike, share: str = PRIVATE, what: str = "folde
     own_but_open = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.geteuid() \
         and problem.startswith(f"{Path(os.path.abspath(path))} can be written")
     hint = f"run chmod go-w '{path}', or {fix}" if own_but_open else fix
+    if problem.endswith("could rename what is in it"):  # a shared folder above without the sticky bit
+        above = problem.removeprefix("the folder ").split(" above it ", 1)[0]
+        hint = f"have its owner run chmod +t '{above}' (the sticky bit, as /tmp has), or {fix}"
     raise UnsafePath(f"the {what} '{path.absolute()}' is not safe to write into: {problem}; {hint}")
+
+
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def folder_descriptor_problem(descriptor: int, path: str | os.PathLike, share: str = PRIVATE) -> str | None:
+    """Why the open folder ``descriptor`` (opened as ``path``) must not be written into, or None: it
+    must be the user's, and nobody else may write to it (the group only when shared with)."""
+    info = os.fstat(descriptor)
+    if info.st_uid != os.geteuid():
+        return f"{path} belongs to {owner_name(info.st_uid)} ({describe(info)})"
+    if writable_by_others(info, share):
+        return f"{path} can be written by others ({describe(info)})"
+    return None
+
+
+def open_folder(path: str | os.PathLike, share: str = PRIVATE, what: str = "folder",
+                fix: str = "use a folder of your own") -> int:
+    """A descriptor of the folder ``path``, made or checked by ``own_folder``, opened without following
+    a link and checked again on the descriptor. What is written relative to it (``replace_file``'s
+    ``dir_fd``, ``os.unlink(name, dir_fd=...)``) lands in the folder that was checked, even when it,
+    or a folder above it, is renamed afterwards. ``UnsafePath`` as ``own_folder``."""
+    own_folder(path, share, what, fix)
+    try:
+        descriptor = os.open(path, FOLDER_FLAGS)
+    except OSError as error:  # ELOOP: a link put there since the check
+        raise UnsafePath(f"the {what} '{Path(path).absolute()}' cannot be opened as a folder "
+                         f"({error.strerror or error}): {fix}") from None
+    problem = folder_descriptor_problem(descriptor, path, share)
+    if problem:
+        os.close(descriptor)
+        raise UnsafePath(f"the {what} '{Path(path).absolute()}' is not safe to write into: {problem}; {fix}")
+    return descriptor
 
 
 # --- files hvdtrain trusts -------------------------------------------------------------------------
@@ -247,29 +284,34 @@ def open_append(path: str | os.PathLike, share: str = PRIVATE) -> IO[str]:
 
 
 def replace_file(path: str | os.PathLike, write: Callable[[IO[bytes]], None], share: str = PRIVATE,
-                 sync: bool = False) -> None:
+                 sync: bool = False, dir_fd: int | None = None) -> None:
     """Replace ``path`` with what ``write(handle)`` writes: into a fresh temporary file made with
     O_EXCL in the same folder (mode ``file_mode(share)`` within the umask), then renamed over
     ``path``. A reader sees the old file or the new one; a link planted at ``path`` is replaced, not
-    written through. ``sync``: the file and its folder reach the disk before this returns."""
+    written through. ``sync``: the file and its folder reach the disk before this returns.
+    ``dir_fd`` (``open_folder``): ``path`` is a name in that folder, wherever it now is."""
     path = Path(path)
-    descriptor, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if dir_fd is None else dir_fd
+    scratch = f".{path.name}.{secrets.token_hex(8)}.tmp"  # a name nobody could plant
     try:
-        os.fchmod(descriptor, file_mode(share) & ~current_umask())
-        with os.fdopen(descriptor, "wb") as handle:
-            write(handle)
-            if sync:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(scratch, path)
-    except BaseException:
+        descriptor = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             file_mode(share) & ~current_umask(), dir_fd=folder)
         try:
-            os.unlink(scratch)
-        except OSError:
-            pass
-        raise
-    if sync:
-        sync_folder(path.parent)
+            with os.fdopen(descriptor, "wb") as handle:
+                write(handle)
+                if sync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            os.replace(scratch, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(scratch, dir_fd=folder)
+            raise
+        if sync:
+            os.fsync(folder)
+    finally:
+        if dir_fd is None:
+            os.close(folder)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, share: str = PRIVATE, sync: bool = False) -> None:

@@ -8,6 +8,7 @@ deleted when the test session ends. Plain helpers: the test modules make their f
 from __future__ import annotations
 
 import atexit
+import grp
 import os
 import pwd
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 # One user per pytest-xdist worker ("gw0", "gw1"): each worker makes and removes its own.
 ATTACKER = "sec49b" + os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
 _made: list[str] = []
+_made_groups: list[str] = []
 
 
 def why_not() -> str | None:
@@ -36,15 +38,31 @@ def user(name: str = ATTACKER) -> pwd.struct_passwd:
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", f"/nonexistent/{name}",
                         "--shell", "/bin/sh", name], check=True, capture_output=True)
-        if not _made:
+        if not (_made or _made_groups):
             atexit.register(_remove)
         _made.append(name)
         return pwd.getpwnam(name)
 
 
+def group(members: list[str], name: str = ATTACKER + "g") -> grp.struct_group:
+    """A group ``name`` (a project's) with ``members`` in it, made if missing and removed at exit."""
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", name], check=True, capture_output=True)
+        if not (_made or _made_groups):
+            atexit.register(_remove)
+        _made_groups.append(name)
+    for member in members:
+        subprocess.run(["gpasswd", "-a", member, name], check=True, capture_output=True)
+    return grp.getgrnam(name)
+
+
 def _remove() -> None:
     for name in _made:
         subprocess.run(["userdel", name], capture_output=True)
+    for name in _made_groups:
+        subprocess.run(["groupdel", name], capture_output=True)
 
 
 def as_user(name: str, script: str, cwd: str | os.PathLike = "/") -> subprocess.CompletedProcess:

@@ -7,23 +7,26 @@ and renamed over the target: a crash mid-write leaves the previous good file in 
 Layout under ``<output.dir>/checkpoints``: ``step-00001234.pt`` (the newest ``checkpoint.keep``
 of them), ``last.pt`` (the newest) and ``best.pt`` (the best value of the task's validation
 metric), the latter two as hard links to a numbered file where the file system allows it, so each
-checkpoint is written once.
+checkpoint is written once. They are written, linked and pruned through a descriptor of the folder
+opened once (``CheckpointSaver``): a rename after the check never sends them into another run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import secrets
 import shutil
 import stat
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..ownership import PRIVATE, UnsafePath, open_trusted, own_folder, replace_file, sync_folder
+from ..ownership import PRIVATE, UnsafePath, folder_descriptor_problem, open_folder, open_trusted, replace_file
 from ..redact import mask_values
 
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
@@ -63,18 +66,18 @@ def megabytes(count: float) -> str:
     return f"{count / 2**20:,.0f} MB"
 
 
-def no_space(directory: Path, needed: int, keep: int) -> DiskFull:
-    usage = shutil.disk_usage(directory)
+def no_space(directory: Path, needed: int, keep: int, dir_fd: int | None = None) -> DiskFull:
+    usage = shutil.disk_usage(directory if dir_fd is None else dir_fd)
     return DiskFull(errno.ENOSPC, f"checkpoint not written: {directory} has {megabytes(usage.free)} free and the "
                     f"checkpoint needs {megabytes(needed)} (with {megabytes(MARGIN_BYTES)} to spare); the older "
                     f"checkpoints are intact. Free space there, keep fewer (checkpoint.keep={keep}), or set "
                     f"output.dir to another file system")
 
 
-def atomic_save(payload: Any, path: Path, share: str = PRIVATE) -> None:
+def atomic_save(payload: Any, path: Path, share: str = PRIVATE, dir_fd: int | None = None) -> None:
     """Write ``payload`` to ``path`` so that ``path`` is always either the old or the new file: a
     fresh temporary file (O_EXCL, mode ``file_mode(share)``: never through a planted link), fsynced,
-    renamed (ownership.replace_file)."""
+    renamed (ownership.replace_file). ``dir_fd``: ``path``'s name in that open folder."""
     path = Path(path)
 
     def write(handle) -> None:
@@ -83,47 +86,69 @@ def atomic_save(payload: Any, path: Path, share: str = PRIVATE) -> None:
         except RuntimeError as error:
             # PyTorch's archive writer reports a write that failed for space as "unexpected
             # pos ...": a file system left (nearly) full by it says which it was.
-            if shutil.disk_usage(path.parent).free < 2**20:
+            if shutil.disk_usage(path.parent if dir_fd is None else dir_fd).free < 2**20:
                 raise OSError(errno.ENOSPC, f"writing {path} failed: {str(error).splitlines()[0][:200]}") \
                     from error
             raise
 
-    replace_file(path, write, share, sync=True)
+    replace_file(path, write, share, sync=True, dir_fd=dir_fd)
 
 
-def atomic_link(source: Path, target: Path) -> None:
-    """Make ``target`` the same file as ``source`` (hard link, else a copy), atomically."""
-    scratch = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")  # a name nobody could plant
+def atomic_link(source: str, target: str, dir_fd: int) -> None:
+    """Make ``target`` the same file as ``source`` (names in the open folder ``dir_fd``): a hard link,
+    else a copy, renamed over ``target`` atomically."""
+    scratch = f".{target}.{secrets.token_hex(8)}.tmp"  # a name nobody could plant
+    at = {"src_dir_fd": dir_fd, "dst_dir_fd": dir_fd}
     try:
         try:
-            os.link(source, scratch)
+            os.link(source, scratch, **at, follow_symlinks=False)
         except OSError:
-            with open(source, "rb") as original, open(scratch, "xb") as copy:
+            flags = os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(source, os.O_RDONLY | flags, dir_fd=dir_fd), "rb") as original, \
+                    os.fdopen(os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o600,
+                                      dir_fd=dir_fd), "wb") as copy:
                 shutil.copyfileobj(original, copy)
                 os.fchmod(copy.fileno(), stat.S_IMODE(os.fstat(original.fileno()).st_mode))
                 copy.flush()
                 os.fsync(copy.fileno())
-        os.replace(scratch, target)
+        os.replace(scratch, target, **at)
     finally:
-        if os.path.lexists(scratch):
-            scratch.unlink()
-    sync_folder(target.parent)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(scratch, dir_fd=dir_fd)
+    os.fsync(dir_fd)
 
 
-def numbered(directory: Path) -> list[Path]:
-    """Numbered checkpoints, newest first."""
-    if not directory.is_dir():
+def numbered(directory: Path | int) -> list[Path]:
+    """Numbered checkpoints, newest first (``directory`` an open folder: their names)."""
+    if isinstance(directory, int):
+        with os.scandir(directory) as entries:
+            names = [entry.name for entry in entries]
+        found = [(int(m.group(1)), Path(name)) for name in names if (m := NUMBERED.match(name))]
+    elif not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NUMBERED.match(p.name))]
+    else:
+        found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NUMBERED.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
 class CheckpointSaver:
-    """Rank 0's writer: numbered files, ``last.pt``, ``best.pt``, and pruning to ``keep``."""
+    """Rank 0's writer: numbered files, ``last.pt``, ``best.pt``, and pruning to ``keep``.
+
+    The folder is made or checked (ownership.own_folder) and opened once, when the saver is made; every
+    write, link, listing and prune after that goes through that descriptor, which each save checks
+    again (still the user's, nobody else can write it). A rename of the folder, or of a folder above
+    it, is not followed: the checkpoints land in the folder that was checked, wherever it now is,
+    never in one put in its place (another run's, whose files stay untouched)."""
 
     def __init__(self, directory: Path, keep: int, share: str = PRIVATE):
         self.directory = Path(directory)
         self.keep, self.share = keep, share
+        self.fd: int | None = open_folder(self.directory, share, what="checkpoint folder",
+                                          fix="set output.dir=/a/folder/of/yours")  # UnsafePath: one line, exit 2
+        self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def close(self) -> None:
+        self._closer()
 
     def save(self, payload: dict[str, Any], is_best: bool) -> Path:
         """Write the checkpoint; ``DiskFull`` (nothing written, nothing lost) when the folder's file
@@ -131,32 +156,37 @@ class CheckpointSaver:
         and the last checkpoint's size, and again on ENOSPC/EDQUOT while writing."""
         if "config" in payload:  # a password in a URL (tracking.mlflow.tracking_uri) is written as ***
             payload = {**payload, "config": mask_values(payload["config"])}
-        own_folder(self.directory, self.share, what="checkpoint folder",
-                   fix="set output.dir=/a/folder/of/yours")  # UnsafePath: one line, exit 2
-        last = self.directory / "last.pt"
-        needed = max(payload_bytes(payload), last.stat().st_size if last.is_file() else 0)
-        if shutil.disk_usage(self.directory).free < needed + MARGIN_BYTES:
-            raise no_space(self.directory, needed, self.keep)
+        if not self._closer.alive:
+            raise ValueError(f"the checkpoint saver of {self.directory} is closed")
+        problem = folder_descriptor_problem(self.fd, self.directory, self.share)
+        if problem:
+            raise UnsafePath(f"the checkpoint folder '{self.directory.absolute()}' is not safe to write into: "
+                             f"{problem}; set output.dir=/a/folder/of/yours")
         try:
-            return self.write(payload, is_best, last)
+            last = os.stat("last.pt", dir_fd=self.fd, follow_symlinks=False)
+            last_bytes = last.st_size if stat.S_ISREG(last.st_mode) else 0
+        except FileNotFoundError:
+            last_bytes = 0
+        needed = max(payload_bytes(payload), last_bytes)
+        if shutil.disk_usage(self.fd).free < needed + MARGIN_BYTES:
+            raise no_space(self.directory, needed, self.keep, self.fd)
+        try:
+            return self.write(payload, is_best)
         except OSError as error:
             if error.errno in NO_SPACE:
-                raise no_space(self.directory, needed, self.keep) from None
+                raise no_space(self.directory, needed, self.keep, self.fd) from None
             raise
 
-    def write(self, payload: dict[str, Any], is_best: bool, last: Path) -> Path:
+    def write(self, payload: dict[str, Any], is_best: bool) -> Path:
+        name = f"step-{payload['step']:08d}.pt" if self.keep > 0 else "last.pt"
+        atomic_save(payload, self.directory / name, self.share, dir_fd=self.fd)
         if self.keep > 0:
-            path = self.directory / f"step-{payload['step']:08d}.pt"
-            atomic_save(payload, path, self.share)
-            atomic_link(path, last)
-        else:
-            path = last
-            atomic_save(payload, path, self.share)
+            atomic_link(name, "last.pt", self.fd)
         if is_best:
-            atomic_link(path, self.directory / "best.pt")
-        for old in numbered(self.directory)[self.keep:]:
-            old.unlink()
-        return path
+            atomic_link(name, "best.pt", self.fd)
+        for old in numbered(self.fd)[self.keep:]:
+            os.unlink(old.name, dir_fd=self.fd)
+        return self.directory / name
 
 
 def load(path: Path, share: str | None = None) -> dict[str, Any]:

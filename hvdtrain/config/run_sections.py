@@ -111,8 +111,9 @@ class OutputConfig:
     """tensorboardX scalars under <output.dir>/tb."""
     share: Literal["private", "group"] = "private"
     """Who may read the run folder: private = you alone (folders 0700, files 0600); group = your group too (0750, 0640;
-    within your umask), and a group-writable run folder or project folder above it is accepted. A folder another user
-    owns, or that anyone can write, is never used."""
+    within your umask), and a group-writable run folder is accepted, as is a project folder above it that the group
+    can write if it has the sticky bit (chmod +t). A folder another user owns, or that anyone can write, is never
+    used."""
 
 
 @dataclass

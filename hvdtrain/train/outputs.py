@@ -80,6 +80,8 @@ class Outputs:
             self.tracker = None
         if self.writer is not None:
             self.writer.close()
+        if self.saver is not None:
+            self.saver.close()  # the checkpoint folder's descriptor
 
 
 def validate_with_ema(run: Run, val_metrics: dict[str, Any], watch: bool) -> None:

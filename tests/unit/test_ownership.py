@@ -129,12 +129,14 @@ def test_folders_above_decide_who_could_swap_it(tmp_path, attacker):
     above.chmod(0o1777)  # a scratch folder: anyone may write, nobody may rename another's entry
     assert folder_problem(above / "run") is None and own_folder(above / "run").is_dir()
     above.chmod(0o777)   # without the sticky bit anyone could rename run/ and put a link there
-    assert "above it can be written by others" in folder_problem(above / "run")
+    assert "above it can be written by anyone" in folder_problem(above / "run")
     assert "can be written by anyone" in folder_problem(above / "run", share=GROUP)
-    above.chmod(0o2770)  # a project folder: the group is trusted only when shared with
+    above.chmod(0o2770)  # a project folder: a member could rename run/ too, shared with or not
     os.chown(above, -1, shared_group())
-    assert "above it can be written by others" in folder_problem(above / "run")
-    assert folder_problem(above / "run", share=GROUP) is None
+    assert "above it can be written by its group" in folder_problem(above / "run")
+    assert "above it can be written by its group" in folder_problem(above / "run", share=GROUP)
+    above.chmod(0o3770)  # the sticky bit: only an entry's owner may rename it
+    assert folder_problem(above / "run") is None and folder_problem(above / "run", share=GROUP) is None
     above.chmod(0o1777)
     os.chown(above, attacker, -1)  # its owner can rename anything in it, sticky or not
     assert f"belongs to {users.ATTACKER}, who could swap it" in folder_problem(above / "run")
