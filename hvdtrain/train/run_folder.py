@@ -17,8 +17,9 @@ launch/job.py) every job gets a folder of its own unless the user names one:
 A run folder records its owner job (``job.json``: scheduler, job id, user, host, pid; written and
 read by the ownership rule, ownership.py: never through a link, trusted only when the user's), and
 the run holds a lock on it (``run.lock``, fcntl: let go by the kernel when the process ends,
-whatever ends it). Before anything is written, rank 0 claims the folder (``claim_folder``), and
-the job stops in one line, every rank alike, when
+whatever ends it; 0600, so that a group the folder is shared with cannot hold it). Before anything
+is written, rank 0 claims the folder (``claim_folder``), and the job stops in one line, every rank
+alike, when
 
 - another run holds the lock: two jobs would write one folder (checkpoints of one, ``last.pt`` of
   the other, one ``metrics.jsonl`` for both);
@@ -210,28 +211,46 @@ def count_attempts(path: Path) -> int:
         return 0
 
 
-def take_lock(path: Path, share: str = PRIVATE) -> tuple[int | None, str]:
+def take_lock(path: Path) -> tuple[int | None, str]:
     """(the lock's file descriptor, "") when this process holds the folder's lock now; (None, "held")
-    when another process does; (None, "unsupported") where the file system has no locks."""
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                 ownership.file_mode(share))
-    try:
-        problem = ownership.trust_problem(os.fstat(fd), path / LOCK_FILE, share)
-        if problem:
-            raise FolderRefused(f"the output folder's lock file is not this user's own ({problem}): remove it, "
-                                f"or use another output.dir")
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except FolderRefused:
-        os.close(fd)
-        raise
-    except OSError as error:
-        os.close(fd)
-        if error.errno in (errno.EAGAIN, errno.EACCES):
+    when another process does; (None, "unsupported") where the file system has no locks.
+
+    The lock file is 0600 whatever output.share says, opened without following a link, and the user's:
+    a member of the group a run folder is shared with cannot open it, so cannot hold a lock that keeps
+    the user's runs out. One an older hvdtrain left readable by others is replaced by a fresh one when
+    nobody holds it, and refused in one line when somebody does."""
+    for _ in range(8):  # a lock file replaced by another start meanwhile: again, on the new one
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        info = os.fstat(fd)
+        try:
+            problem = ownership.trust_problem(info, path / LOCK_FILE)
+            if problem:
+                raise FolderRefused(f"the output folder's lock file is not this user's own ({problem}): remove "
+                                    f"it, or use another output.dir")
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            now_there = os.stat(path / LOCK_FILE, follow_symlinks=False)
+            if info.st_mode & 0o077 or (now_there.st_dev, now_there.st_ino) != (info.st_dev, info.st_ino):
+                if info.st_mode & 0o077:  # an older hvdtrain's (0640): others may hold it open
+                    ownership.write_atomic(path / LOCK_FILE, b"")
+                os.close(fd)  # the lock that counts is the new file's
+                continue
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    return None, "unsupported"
+                raise
+            if info.st_mode & 0o077:
+                raise FolderRefused(f"the output folder's lock file {path / LOCK_FILE} can be opened by others "
+                                    f"({ownership.describe(info)}, an older hvdtrain's) and is locked: if no run "
+                                    f"of yours uses '{path.absolute()}', delete that file and start again") from None
             return None, "held"
-        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return None, "unsupported"
-        raise
-    return fd, ""
+        except FolderRefused:
+            os.close(fd)
+            raise
+        return fd, ""
+    raise FolderRefused(f"the output folder's lock file {path / LOCK_FILE} kept being replaced: another start "
+                        f"uses '{path.absolute()}'; {own_folder_hint(current())}")
 
 
 def still_running(record: Mapping[str, Any], scontrol: Callable[[str], str | None] | None = None) -> bool:
@@ -282,7 +301,7 @@ def claim_folder(path: Path, resume: str, job: Job | None = None,
     job = current() if job is None else job
     owner = read_owner(path)
     had_lock = (path / LOCK_FILE).exists()
-    fd, lock_state = take_lock(path, share)
+    fd, lock_state = take_lock(path)
     result = Claim(path, job, count_attempts(path), fd, before=owner_bytes(path) if owner else None,
                    made=[] if had_lock else [path / LOCK_FILE], share=share)
     try:

@@ -150,7 +150,7 @@ def test_a_folder_in_use_stops_a_second_job_even_of_the_same_id(tmp_path):
 
 
 def test_without_file_locks_the_record_says_whether_its_job_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_folder, "take_lock", lambda path, share: (None, "unsupported"))
+    monkeypatch.setattr(run_folder, "take_lock", lambda path: (None, "unsupported"))
     claim_folder(tmp_path, "auto", slurm_job("10"))
     record = read_owner(tmp_path)
     (tmp_path / "job.json").write_text(json.dumps({**record, "pid": 999999999}))  # another process's

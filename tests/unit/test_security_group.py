@@ -1,10 +1,12 @@
 """Run folders shared with a group (``output.share=group``): a member of the group may read another
-member's runs, never redirect, overwrite or prune their checkpoints. The member is a real second
+member's runs, never redirect, overwrite or prune their checkpoints, nor keep their runs out of their
+folders by holding the lock. The member is a real second
 Unix user (tests/users.py) in a real group with the user running the tests, in a project folder
 both can write to."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -15,8 +17,9 @@ import pytest
 import torch
 
 from hvdtrain.checkpoint import io as checkpoint
+from hvdtrain.launch.job import Job
 from hvdtrain.ownership import GROUP, UnsafePath, own_folder
-from hvdtrain.train.run_folder import FIX, output_dir_problem
+from hvdtrain.train.run_folder import FIX, FolderRefused, claim_folder, output_dir_problem
 from tests import users
 
 
@@ -125,3 +128,69 @@ def test_a_group_member_renaming_run_folders_mid_job_redirects_nothing(team):
     assert sorted(p.name for p in moved.iterdir()) == ["best.pt", "last.pt", "step-00000003.pt"]
     assert [checkpoint.load(moved / name)["step"] for name in ("last.pt", "best.pt")] == [3, 2]
     assert checkpoint.load(team / "a" / "checkpoints" / "last.pt")["step"] == 8
+
+
+# --- the run folder's lock ----------------------------------------------------------------------------
+
+HOLD = """
+import fcntl, os, sys
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+except OSError as error:
+    print("cannot open", error.errno, flush=True)
+    sys.exit(0)
+fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """The second user opening ``path`` and holding a shared lock on it until stdin closes."""
+    return subprocess.Popen(["runuser", "-u", users.ATTACKER, "--", "/usr/bin/python3", "-c", HOLD, str(path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_group_member_cannot_hold_the_lock_of_a_shared_run_folder(team):
+    team.chmod(0o3770)
+    run = team / "run"
+    assert output_dir_problem(run, GROUP) is None and run.stat().st_gid == team.stat().st_gid  # the group reads it
+    claim_folder(run, "auto", Job(), share=GROUP).release()  # a run that ended
+    assert stat.S_IMODE((run / "run.lock").stat().st_mode) == 0o600
+    member = hold_lock(run / "run.lock")
+    try:
+        assert member.stdout.readline() == f"cannot open {errno.EACCES}\n"
+        assert users.as_user(users.ATTACKER, f"cat {run}/job.json").stdout.startswith("{")  # reading: shared
+        claim = claim_folder(run, "auto", Job(), share=GROUP)  # the user's next run takes its folder
+        assert claim.lock_fd is not None
+        claim.release()
+    finally:
+        member.stdin.close()
+        member.wait(timeout=30)
+
+
+def test_an_older_lock_file_others_can_open_is_replaced_or_refused_truthfully(team):
+    team.chmod(0o3770)
+    run = team / "run"
+    output_dir_problem(run, GROUP)
+    (run / "run.lock").touch()
+    (run / "run.lock").chmod(0o640)  # what an older hvdtrain left with output.share=group
+    claim = claim_folder(run, "auto", Job(), share=GROUP)  # nobody holds it: a fresh 0600 file in its place
+    claim.release()
+    assert stat.S_IMODE((run / "run.lock").stat().st_mode) == 0o600
+    (run / "run.lock").chmod(0o640)
+    member = hold_lock(run / "run.lock")
+    try:
+        assert member.stdout.readline() == "locked\n"
+        with pytest.raises(FolderRefused) as refused:
+            claim_folder(run, "auto", Job(), share=GROUP)
+        assert str(refused.value) == (
+            f"the output folder's lock file {run / 'run.lock'} can be opened by others (owner root, mode 0640, an "
+            f"older hvdtrain's) and is locked: if no run of yours uses '{run}', delete that file and start again")
+        (run / "run.lock").unlink()  # the fix; the member's open file no longer counts
+        claim = claim_folder(run, "auto", Job(), share=GROUP)
+        assert claim.lock_fd is not None
+        claim.release()
+    finally:
+        member.stdin.close()
+        member.wait(timeout=30)
