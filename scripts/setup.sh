@@ -28,7 +28,11 @@
 #   HVDTRAIN_KEEP_PIP_CONFIG=1 keep this machine's pip configuration (default: ignore it, so that the
 #                              registry's CUDA build of torch is installed, not a local CPU-only wheel)
 #   HVDTRAIN_SKIP_APT=1        never call apt-get (the packages must already be there)
-#   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry)
+#   HOROVOD_SDIST=FILE         a local horovod-0.28.1.tar.gz (machines without a registry); it must be a
+#                              file only you or root can write, and what is checked and unpacked is a copy
+#                              (scripts/sdist-check.sh)
+#   HVDTRAIN_CACHE=DIR         setup's cache, where the sdist is kept and Horovod is built (default
+#                              <repo>/.cache/setup); setup stops with one line when others can write it
 #   HVDTRAIN_WHEELHOUSE=DIR    the wheels directory of an earlier setup (its .cache/setup/wheels): a
 #                              Horovod wheel there built from the same sdist, patches, torch, Python, OS
 #                              and GPU ops is installed instead of compiling again (setup keeps every
@@ -84,10 +88,12 @@ load_horovod_series || die "$horovod_patches_problem"
 
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
-stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
+stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/sdist-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
             "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"
+# private_cache, checked_sdist: the cache setup builds in, and the sdist it builds, checked and copied
+source "$repo/scripts/sdist-check.sh"
 # python_problem, install_hvdtrain, hvdtrain_sources_hash: a shared install
 source "$repo/scripts/shared-install.sh"
 
@@ -298,16 +304,18 @@ EOF
         die "no Horovod wheel for $wheel_key in ${HVDTRAIN_WHEELHOUSE:-(no HVDTRAIN_WHEELHOUSE)} or $cache/wheels, and HVDTRAIN_NO_COMPILE is set: build one with plain setup (HVDTRAIN_WHEEL_OUT=DIR keeps it), or unset HVDTRAIN_NO_COMPILE"
     fi
     if [[ -z $wheel ]]; then
-        mkdir -p "$cache"
+        # The cache (made if missing) must be one nobody else can write; the sdist is copied once into
+        # $checked_dir (mode 700), and that copy is checked and unpacked (scripts/sdist-check.sh).
+        private_cache "$cache" || { rm -rf "$checked_dir"; die "$sdist_problem"; }
         sdist=${HOROVOD_SDIST:-$cache/horovod-$horovod_version.tar.gz}
         if [[ ! -f $sdist ]]; then
             log "downloading the horovod $horovod_version sdist"
             "$vpy" -m pip download -q --no-deps --no-binary :all: "horovod==$horovod_version" -d "$cache"
         fi
-        echo "$horovod_sha256  $sdist" | sha256sum -c --quiet - || die "checksum mismatch for $sdist"
+        checked_sdist "$sdist" "$horovod_sha256" "$checked_dir" || { rm -rf "$checked_dir"; die "$sdist_problem"; }
         src=$cache/src
         rm -rf "$src" && mkdir -p "$src"
-        tar -xzf "$sdist" -C "$src"
+        tar -xzf "$checked_sdist" -C "$src"
         src=$src/horovod-$horovod_version
         log "applying the ${#horovod_patch_files[@]} patches of third_party/horovod/series"
         apply_horovod_series "$src" >/dev/null || die "$horovod_patches_problem"

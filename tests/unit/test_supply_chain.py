@@ -151,7 +151,8 @@ def test_setup_installs_prebuilt_wheels_only_through_the_check():
     assert "sha256sum horovod-\"$horovod_version\"-*.whl >SHA256SUMS" in setup
     # the image build: the script is in the builder, and build-local.sh hands over the sums
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    assert "COPY scripts/setup.sh scripts/wheel-check.sh /opt/hvdtrain/src/scripts/" in dockerfile
+    assert dockerfile.count("COPY scripts/setup.sh scripts/wheel-check.sh scripts/sdist-check.sh "
+                            "/opt/hvdtrain/src/scripts/") == 2
     assert "HVDTRAIN_WHEELHOUSE_SHA256=${HVDTRAIN_WHEELHOUSE_SHA256}" in dockerfile
     assert '--build-arg "HVDTRAIN_WHEELHOUSE_SHA256=$sums"' in (REPO / "docker" / "build-local.sh").read_text()
 
