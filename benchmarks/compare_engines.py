@@ -93,6 +93,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return summary
 
 
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The contenders in round ``round_index``: the list rotated by one each round, so that each
+    contender runs first, second and third equally often and the machine's drift spreads over all."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="resnet18")
@@ -117,7 +124,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     start = time.perf_counter()
     for round_index in range(args.rounds):
-        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+        for name in round_order(names, round_index):
             runs[name].append(run_once(name, args, env))
             print(f"compare_engines: round {round_index + 1}/{args.rounds} {name:<8} "
                   f"{runs[name][-1]['images_per_sec']:8.2f} img/s (load {load():.2f}, "
