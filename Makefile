@@ -16,7 +16,7 @@ setup:
 
 demo: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
-		$(PY) -m hvdtrain --config demo $(ARGS)
+		$(PY) -P -m hvdtrain --config demo $(ARGS)
 
 # Two pytest-xdist workers: while one waits (a Slurm job's scheduling, ssh, a deadline, a stop
 # signal's round trip) the other computes. A test file stays on one worker, tests/multinode on one.

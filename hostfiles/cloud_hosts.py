@@ -5,7 +5,7 @@
     python hostfiles/cloud_hosts.py aws instances.json > hostfile        # slots from the instance type
     az vm list-ip-addresses --resource-group hvdtrain-rg --output json > ips.json
     python hostfiles/cloud_hosts.py azure ips.json --slots 4 > hostfile   # this listing has no VM size
-    horovodrun -np 8 --hostfile hostfile python -m hvdtrain --config imagenet_resnet50 ...
+    horovodrun -np 8 --hostfile hostfile python -P -m hvdtrain --config imagenet_resnet50 ...
 
 Only running AWS instances are listed; private addresses by default (the ranks talk over the VPC /
 VNet; --address public for machines reached from outside). ``--format hosts`` prints the -H form

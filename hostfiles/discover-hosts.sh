@@ -2,7 +2,7 @@
 # Host discovery script for elastic training (horovodrun --host-discovery-script):
 #
 #   horovodrun -np 8 --min-np 4 --max-np 16 --host-discovery-script hostfiles/discover-hosts.sh \
-#       python -m hvdtrain --config imagenet_resnet50 ...
+#       python -P -m hvdtrain --config imagenet_resnet50 ...
 #
 # horovodrun runs it every few seconds; it must print the hosts that are available right now, one
 # "host:slots" per line, and exit 0. Hosts that disappear are treated as failed, new ones are added

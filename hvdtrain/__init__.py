@@ -19,9 +19,43 @@ and what a task of your own is written against (docs/tasks.md): ``Task``, ``Data
 from __future__ import annotations
 
 import importlib
+import os as _os
+import sys as _sys
 from typing import Any
 
 __version__ = "0.1.0"
+
+
+def _module_run(argv: list[str]) -> str | None:
+    """The module a command line runs with ``-m`` (``python -u -m hvdtrain ...`` -> hvdtrain), or None."""
+    for index, word in enumerate(argv[1:], start=1):
+        if word == "-m":
+            return argv[index + 1] if index + 1 < len(argv) else None
+        if word.startswith("-m"):
+            return word[2:]
+        if not word.startswith("-") or word == "-":
+            return None  # a script, or '-' (stdin): no -m
+    return None
+
+
+def _drop_working_folder() -> None:
+    """``python -m hvdtrain`` (without -P) puts the folder it was started in first on ``sys.path``, so
+    a ``yaml.py`` or ``numpy/`` that another user left in a shared folder would be imported, and run,
+    as the user who starts a job there. Take that entry off before hvdtrain imports anything: from
+    here on, ``python -m hvdtrain`` imports as ``python -P -m hvdtrain`` and the ``hvdtrain`` console
+    script do. (Only -P or the console script also keep out a planted ``hvdtrain/`` folder, found
+    before this code runs: the shipped scripts and the docs use them.) Folders on PYTHONPATH stay."""
+    if _sys.flags.safe_path or not _sys.path or _module_run(list(getattr(_sys, "orig_argv", []))) != __name__:
+        return
+    try:
+        here = _os.path.realpath(_os.getcwd())
+    except OSError:  # the working folder was removed
+        return
+    if _sys.path[0] in ("", ".") or _os.path.realpath(_sys.path[0]) == here:
+        del _sys.path[0]
+
+
+_drop_working_folder()
 
 # public name -> the module that defines it
 _EXPORTS = {

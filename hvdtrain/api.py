@@ -61,8 +61,8 @@ def build_config(config: ConfigSource = None, overrides: Iterable[str] = (), tas
     if isinstance(config, Config):
         cfg = from_dict(to_dict(config))
     elif isinstance(config, (str, Path)):
-        cfg = load_config(str(config), check=False)
-        config_name, from_file = resolve_config_path(str(config)).stem, cfg.output.dir
+        cfg = load_config(config, check=False)
+        config_name, from_file = resolve_config_path(config).stem, cfg.output.dir
     elif isinstance(config, Mapping):
         cfg = Config()
         apply_mapping(cfg, dict(config), source="fit(config=...)")

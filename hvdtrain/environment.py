@@ -1,7 +1,7 @@
 """The user's environment mistakes, each in one line (exit 2) instead of a traceback from every rank.
 
-- **A module shadowed on the path.** ``python -m hvdtrain`` puts the folder a job runs in first on
-  ``sys.path``, and ``PYTHONPATH`` puts its folders before the install: a ``yaml.py`` or ``numpy/``
+- **A module shadowed on the path.** ``PYTHONPATH`` puts its folders before the install (the folder
+  a job runs in is not on ``sys.path``: hvdtrain/__init__.py takes it off): a ``yaml.py`` or ``numpy/``
   of one's own there hides the installed package, and the import fails deep inside torch or
   hvdtrain (``partially initialized module``, ``has no attribute``). ``shadowed`` names the file
   that hides it and the copy it hides; ``check_dependencies`` looks for the packages a rank
@@ -101,7 +101,7 @@ def where(entry: str) -> str:
     if any(os.path.realpath(p) == real for p in listed):
         return "on PYTHONPATH"
     if not entry or real == os.path.realpath(os.getcwd()):
-        return "in the folder the job runs in, which python -m puts first on sys.path"
+        return "in the working folder, which python -c puts first on sys.path"
     return f"in {entry}, on sys.path"
 
 

@@ -11,6 +11,7 @@ Light on purpose: the tasks, and torch with them, are imported only once a confi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .config import Config, apply_override, check_config, read_config
@@ -19,7 +20,7 @@ from .config.files import resolve_config_path
 from .train.run_folder import resolve_output_dir
 
 
-def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+def load_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 check: bool = True) -> Config:
     """Defaults, then the YAML file, then the overrides; the output folder named; the task's section
     mounted; validated. ``check=False`` leaves the last three to the caller, who may name the task

@@ -246,7 +246,7 @@ def short_path_config(task: ModelTask, config: ConfigSource, overrides: Iterable
     if isinstance(config, Mapping):
         apply_mapping(cfg, dict(config), source="fit_model(config=...)")
     elif isinstance(config, (str, Path)):
-        path = resolve_config_path(str(config))
+        path = resolve_config_path(config)
         apply_mapping(cfg, read_config_file(path), source=str(path))
     elif config is not None:
         overrides = [*config, *overrides]

@@ -351,5 +351,5 @@ echo "$patch_id" >"$patch_marker"
 echo "$stamp" >"$stamp_file"
 log "done: $venv"
 if [[ $install_mode == copy ]]; then
-    log "shared install: any user runs $venv/bin/python -m hvdtrain (or $venv/bin/hvdtrain, $venv/bin/horovodrun); Slurm: sbatch $venv/share/hvdtrain/slurm/train.sbatch from their own folder"
+    log "shared install: any user runs $venv/bin/python -P -m hvdtrain (or $venv/bin/hvdtrain, $venv/bin/horovodrun); Slurm: sbatch $venv/share/hvdtrain/slurm/train.sbatch from their own folder"
 fi

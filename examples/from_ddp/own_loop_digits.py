@@ -1,6 +1,6 @@
 """ddp_digits.py with its own loop kept, on hvdtrain: a small conv net on the 8x8 digits.
 
-    python -m hvdtrain launch -np 2 -H localhost:2 --gloo python own_loop_digits.py --epochs 10
+    python -P -m hvdtrain launch -np 2 -H localhost:2 --gloo python own_loop_digits.py --epochs 10
 
 SGD at a constant learning rate, a global batch of 64, validation accuracy every epoch; a rerun
 resumes from the last epoch's snapshot. docs/from-ddp.md shows the diff.

@@ -12,16 +12,32 @@ from .keys import ConfigError
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    """A path as given, or the name of a config shipped with hvdtrain (``debug``, ``demo``...)."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
+def is_config_path(name_or_path: str | Path) -> bool:
+    """Whether a ``--config`` value is a path (a Path, a name with a slash, or one ending in .yaml/.yml)
+    rather than the name of a shipped config."""
+    text = str(name_or_path)
+    return isinstance(name_or_path, Path) or "/" in text or text.endswith((".yaml", ".yml"))
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A path as given (``./my.yaml``, ``runs/x/config.yaml``), or the name of a config shipped with
+    hvdtrain (``debug``, ``demo``...).
+
+    A name always means the shipped config, never a file of that name in the working folder: a user
+    who starts a job in a shared folder must not run a config (which can name a task file to import)
+    that another user left there. A file is taken only when given as a path."""
+    if is_config_path(name_or_path):
+        path = Path(name_or_path)
+        if path.is_file():
+            return path
+        raise ConfigError(f"config file '{name_or_path}' not found (a path is relative to the working folder, "
+                          f"{Path.cwd()})")
     packaged = PACKAGED_CONFIGS / f"{name_or_path}.yaml"
     if packaged.is_file():
         return packaged
     shipped = ", ".join(sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.yaml")))
-    raise ConfigError(f"config file '{name_or_path}' not found (give a path, or one of: {shipped})")
+    raise ConfigError(f"no shipped config named '{name_or_path}' (shipped: {shipped}); a file of your own is given "
+                      f"as a path, e.g. --config ./{name_or_path}.yaml")
 
 
 # A config file is a few KB of keys (the largest shipped one is 2 KB). Larger files are refused before

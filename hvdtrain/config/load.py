@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
@@ -51,7 +52,7 @@ def apply_override(cfg: Config, text: str) -> None:
     set_key(cfg, key.strip(), value.strip(), from_text=True)
 
 
-def read_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def read_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file, then the overrides; not yet checked (``check_config``: the
     caller may name the task yet, api.build_config)."""
     cfg = Config()

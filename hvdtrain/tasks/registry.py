@@ -111,8 +111,10 @@ def task_class(name: str) -> type[Task]:
         try:
             module = importlib.import_module(module_part)
         except ImportError as error:
+            hint = ("; the working folder is not on sys.path: name a file as a path, task=./file.py:Class, or "
+                    "add its folder to PYTHONPATH") if isinstance(error, ModuleNotFoundError) else ""
             raise ConfigError(f"config key 'task': cannot import module '{module_part}' "
-                              f"({type(error).__name__}: {one_line(error)})") from None
+                              f"({type(error).__name__}: {one_line(error)}{hint})") from None
     cls = getattr(module, class_name, None)
     if cls is None:
         found = sorted(key for key, value in vars(module).items()

@@ -65,14 +65,22 @@ def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -
     check_before_launch(cfg)
 
 
+# Interpreter options without a value that may come before ``-m hvdtrain`` (-P: the working folder
+# is not put on sys.path; -u: unbuffered; -B, -E, -s, -I, -O).
+PYTHON_FLAGS = ("-P", "-u", "-B", "-E", "-s", "-I", "-O", "-OO")
+
+
 def hvdtrain_train_args(command: list[str]) -> list[str] | None:
     """The train arguments of a command that starts hvdtrain's train command (``python -m hvdtrain
     [train] ARGS``, ``hvdtrain [train] ARGS``), or None for any other program or hvdtrain command."""
     if not command:
         return None
     name = os.path.basename(command[0])
-    if name.startswith("python") and command[1:3] == ["-m", "hvdtrain"]:
-        rest = command[3:]
+    options = 1
+    while options < len(command) and command[options] in PYTHON_FLAGS:  # python -P -u -m hvdtrain
+        options += 1
+    if name.startswith("python") and command[options:options + 2] == ["-m", "hvdtrain"]:
+        rest = command[options + 2:]
     elif name == "hvdtrain":  # the console script
         rest = command[1:]
     else:

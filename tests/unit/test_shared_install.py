@@ -134,7 +134,7 @@ def test_the_batch_script_finds_the_install_from_where_it_was_submitted(tmp_path
     result = subprocess.run(["bash", str(spool / "slurm_script"), "--config", "debug"], cwd=home, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert f"python {python} in {home}: -m hvdtrain --config debug" in result.stdout
+    assert f"python {python} in {home}: -P -m hvdtrain --config debug" in result.stdout
     # Nothing found: one line, exit 2
     python.unlink()
     result = subprocess.run(["bash", str(spool / "slurm_script")], cwd=home, env=env, capture_output=True,
@@ -168,7 +168,8 @@ def test_the_horovodrun_script_finds_the_install_and_its_host_list_beside_it(tmp
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     python = root / "bin" / "python"
-    assert f"python in {home}: -m hvdtrain launch -np 2 -H n0:2 {python} -m hvdtrain --config debug" in result.stdout
+    launched = f"-P -m hvdtrain launch -np 2 -H n0:2 {python} -P -m hvdtrain --config debug"
+    assert f"python in {home}: {launched}" in result.stdout
 
 
 def test_make_setup_passes_the_prefix_and_the_python():
@@ -219,7 +220,7 @@ def test_a_users_own_copy_of_the_batch_script_finds_the_install(tmp_path):
     mine.write_text(slurm_script.fill((SLURM / "train.sbatch").read_text(), str(python), SLURM))
     result = run_copy(mine, tmp_path, home)
     assert result.returncode == 0, result.stderr
-    assert f"python {python} in {home}: -m hvdtrain --config debug" in result.stdout
+    assert f"python {python} in {home}: -P -m hvdtrain --config debug" in result.stdout
     # A plain copy: no install beside it, none recorded.
     plain = home / "scripts" / "copy.sbatch"
     shutil.copy(SLURM / "train.sbatch", plain)
@@ -230,7 +231,7 @@ def test_a_users_own_copy_of_the_batch_script_finds_the_install(tmp_path):
     shutil.copytree(SLURM, tmp_path / "opt" / "share" / "hvdtrain" / "slurm")
     result = run_copy(plain, tmp_path, home, PYTHON=str(python))
     assert result.returncode == 0, result.stderr
-    assert f"python {python} in {home}: -m hvdtrain --config debug" in result.stdout
+    assert f"python {python} in {home}: -P -m hvdtrain --config debug" in result.stdout
 
 
 def test_a_shared_install_records_its_path_in_its_batch_scripts(tmp_path):

@@ -68,7 +68,9 @@ def test_a_task_that_cannot_be_imported_says_why():
     with pytest.raises(ConfigError) as error:
         task_class("no_such_module:Task")
     assert str(error.value) == ("config key 'task': cannot import module 'no_such_module' "
-                                "(ModuleNotFoundError: No module named 'no_such_module')")
+                                "(ModuleNotFoundError: No module named 'no_such_module'; the working folder is not "
+                                "on sys.path: name a file as a path, task=./file.py:Class, or add its folder to "
+                                "PYTHONPATH)")
 
 
 ROOT = Path(__file__).resolve().parents[2]

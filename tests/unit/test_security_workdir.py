@@ -1,0 +1,82 @@
+"""Files in the folder a job starts in never run as the user: a shipped config's name is the shipped
+config, never a file of that name there, and neither ``python -m hvdtrain`` nor ``python -P -m
+hvdtrain`` imports a module from that folder. Another user (made with ``useradd``) plants the files
+in a folder anyone can write, as on a cluster's scratch file system."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdtrain.config import PACKAGED_CONFIGS, ConfigError
+from hvdtrain.config.files import resolve_config_path
+from tests import users
+
+REPO = Path(__file__).resolve().parents[2]
+# A config that names a task file: importing it is running it. And modules that PyYAML's, or
+# hvdtrain's own, import would find first if the working folder were on sys.path.
+PLANT = """cat > debug <<'EOF'
+task: ./evil.py:Evil
+train: {{epochs: 77}}
+EOF
+cp debug debug.yml
+for name in evil yaml typing_extensions; do
+  echo "open('{marker}', 'a').write('$name ran; ')" > $name.py
+done
+mkdir hvdtrain && echo "open('{marker}', 'a').write('hvdtrain/ ran; '); raise SystemExit(9)" > hvdtrain/__init__.py
+"""
+
+
+@pytest.fixture
+def planted():
+    if users.why_not():
+        pytest.skip(users.why_not())
+    users.user()
+    folder = users.scratch()
+    marker = folder / "ran.txt"
+    users.as_user(users.ATTACKER, PLANT.format(marker=marker), cwd=folder)
+    assert (folder / "yaml.py").stat().st_uid == users.user().pw_uid
+    marker.touch()
+    marker.chmod(0o666)  # whatever ran, as whoever, could say so
+    yield folder, marker
+    shutil.rmtree(folder)
+
+
+def hvdtrain_cli(python_options: list[str], args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "HVDTRAIN_CACHE": str(cwd / "cache")}
+    return subprocess.run([sys.executable, *python_options, "-m", "hvdtrain", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_shipped_configs_name_never_takes_a_file_from_the_working_folder(planted, monkeypatch):
+    folder, _ = planted
+    monkeypatch.chdir(folder)
+    assert resolve_config_path("debug") == PACKAGED_CONFIGS / "debug.yaml"
+    assert resolve_config_path("./debug") == Path("./debug")  # given as a path: the user's choice
+    assert resolve_config_path("debug.yml") == Path("debug.yml")
+    with pytest.raises(ConfigError) as refused:
+        resolve_config_path("debug2")
+    assert str(refused.value).startswith("no shipped config named 'debug2' (shipped: ")
+    assert str(refused.value).endswith("; a file of your own is given as a path, e.g. --config ./debug2.yaml")
+    with pytest.raises(ConfigError, match=r"^config file 'nope\.yaml' not found \(a path is relative"):
+        resolve_config_path("nope.yaml")
+
+
+@pytest.mark.parametrize("python_options", [[], ["-P"]], ids=["python-m", "python-P-m"])
+def test_no_module_in_the_working_folder_is_imported(planted, python_options):
+    folder, marker = planted
+    clean = folder / "clean"
+    clean.mkdir()
+    expected = hvdtrain_cli(["-P"], ["--config", "debug", "--print-config"], clean)
+    assert expected.returncode == 0, expected.stderr
+    if not python_options:  # python -m finds a planted hvdtrain/ before any code of hvdtrain's runs
+        (folder / "hvdtrain" / "__init__.py").unlink()
+    result = hvdtrain_cli(python_options, ["--config", "debug", "--print-config"], folder)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.stdout and "epochs: 77" not in result.stdout
+    assert marker.read_text() == ""  # neither ./evil.py, ./yaml.py, ./typing_extensions.py nor ./hvdtrain/
