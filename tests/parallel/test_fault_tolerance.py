@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,16 @@ import pytest
 import torch
 
 from hvdtrain.data.demo import class_names
-from tests.helpers import PROBE, assert_bitwise_equal, final_states, launch, rank_pids, start_job, wait_for_line
+from tests.helpers import (
+    PROBE,
+    assert_bitwise_equal,
+    final_states,
+    job_env,
+    launch,
+    rank_pids,
+    start_job,
+    wait_for_line,
+)
 
 # These tests need autocast's state (the GradScaler) but not learning. Without bf16/fp16 instructions
 # (AVX2 machines such as CI's) autocast convolutions fall back to PyTorch's slow kernels: a resnet18
@@ -155,20 +166,53 @@ def test_a_format_2_checkpoint_still_resumes_exactly(straight, tiny_data, tmp_pa
     assert_bitwise_equal(final_states(tmp_path / "probe")[0], expected)
 
 
-def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path):
+WRITER = """
+import os, sys, time
+from pathlib import Path
+import torch
+from hvdtrain.checkpoint.io import atomic_save
+
+def stall(*args):
+    print("writing", flush=True)
+    time.sleep(600)
+
+class Stalls:
+    def __reduce__(self):
+        stall()
+
+if sys.argv[2] == "fsync":
+    os.fsync = stall  # every byte written, not yet renamed: the last moment before the swap
+payload = {"model": {"w": torch.zeros(1 << 20)}, "step": 9}
+if sys.argv[2] == "pickling":
+    payload["stall"] = Stalls()  # the new file made, its records still being pickled
+atomic_save(payload, Path(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("moment", ["pickling", "fsync"])
+def test_a_crash_while_writing_keeps_the_previous_checkpoint(moment, tmp_path):
+    """A writer SIGKILLed in the middle of a checkpoint (as the OOM killer or a node's power does):
+    the previous file is whole, and the next save goes through."""
     from hvdtrain.checkpoint.io import atomic_save, load
 
     path = tmp_path / "last.pt"
     atomic_save({"model": {"w": torch.ones(3)}, "optimizer": {}, "epoch": 1, "step": 5, "config": {}}, path)
-
-    class Explodes:
-        def __reduce__(self):
-            raise RuntimeError("disk full")
-
-    with pytest.raises(RuntimeError, match="disk full"):
-        atomic_save({"model": {"w": torch.zeros(1000)}, "boom": Explodes()}, path)
-    assert load(path)["step"] == 5
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    before = path.read_bytes()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), moment], stdout=subprocess.PIPE, text=True,
+                              env=job_env(tmp_path))
+    try:
+        wait_for_line(writer, "writing", timeout=120)
+        (partial,) = [p for p in tmp_path.iterdir() if p.name != "last.pt"]  # the new file, not yet in place
+        if moment == "fsync":
+            assert partial.stat().st_size > 4 << 20  # the whole new checkpoint, one rename away
+        writer.kill()
+        writer.wait(timeout=60)
+    finally:
+        writer.kill()
+    assert writer.returncode == -signal.SIGKILL
+    assert path.read_bytes() == before and load(path)["step"] == 5
+    atomic_save({"model": {"w": torch.ones(3)}, "optimizer": {}, "epoch": 1, "step": 6, "config": {}}, path)
+    assert load(path)["step"] == 6
 
 
 @pytest.mark.parametrize("kind, signum, targets", [
