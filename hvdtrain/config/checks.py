@@ -218,12 +218,21 @@ HOROVOD_ONLY = {
 
 
 def check_engine(cfg: Config) -> None:
-    """Under dist.engine=torch, one line for each Horovod-only setting (HOROVOD_ONLY)."""
-    if cfg.dist.engine != "torch":
-        return
+    """Under dist.engine=torch, one line for each Horovod-only setting (HOROVOD_ONLY); under Adasum,
+    for what needs the gradients between backward and the step: Horovod's Adasum optimizer steps
+    each rank on its own gradients during backward and combines the updates."""
     for key, (feature, asks) in HOROVOD_ONLY.items():
-        if asks(cfg):
+        if cfg.dist.engine == "torch" and asks(cfg):
             raise ConfigError(horovod_only(key, feature))
+    for setting, asks, fix in (
+            (f"optim.clip_grad_norm={cfg.optim.clip_grad_norm:g}", cfg.optim.clip_grad_norm > 0,
+             "optim.clip_grad_norm=0"),
+            ("amp.dtype=float16 (its GradScaler)", cfg.amp.enabled and cfg.amp.dtype == "float16",
+             "amp.dtype=bfloat16 (no scaler) or amp.enabled=false")):
+        if cfg.dist.op == "adasum" and asks:
+            raise ConfigError(f"dist.op=adasum and {setting} exclude each other: Horovod's Adasum steps each rank "
+                              "on its own gradients during backward, before they could be clipped or unscaled; "
+                              f"set {fix}, or dist.op=average")
 
 
 def horovod_only(key: str, feature: str) -> str:

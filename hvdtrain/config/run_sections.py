@@ -22,7 +22,8 @@ class DistConfig:
     compression: Literal["auto", "none", "fp16"] = "auto"
     """Gradient compression on the wire; auto = fp16 on GPU, none on CPU."""
     op: Literal["average", "adasum"] = "average"
-    """Gradient reduction."""
+    """Gradient reduction: average, or Horovod's Adasum (MPI controller only, a power-of-2 number of ranks; the rate is
+    one rank's, not scaled by the ranks; no clipping or fp16 AMP; docs/launching.md, "Adasum")."""
     timeout_seconds: int = 45
     """Stop the job, naming the lost rank, when no training step completes for this long; also end a rank that makes no
     progress for this long after a stop signal (stuck where the stop is never agreed, exit 75); 0 = never."""

@@ -14,7 +14,9 @@ with the ranks that differ. It runs at every checkpoint and at every epoch end (
 statistics are averaged), and every ``runtime.audit_every`` steps when set.
 
 Mid-epoch, each rank's floating buffers (BatchNorm running statistics) follow its own shard until
-the epoch end averages them: they are left out then.
+the epoch end averages them: they are left out then. Under Horovod's Adasum (``dist.op=adasum``)
+each rank's optimizer state (momentum) follows its own gradients, and only the weights it reaches
+are combined: the optimizer's state tensors are left out (``optimizer_state=False``).
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ class AuditedState(Protocol):
     position: Any
 
 
-def fingerprint(state: AuditedState, floating_buffers: bool) -> tuple[list[str], torch.Tensor]:
+def fingerprint(state: AuditedState, floating_buffers: bool,
+                optimizer_state: bool = True) -> tuple[list[str], torch.Tensor]:
     """(names, int64 fingerprints): parameters, buffers (floating ones only with
-    ``floating_buffers``), optimizer state tensors and hyperparameters, GradScaler state, position."""
+    ``floating_buffers``), optimizer state tensors (with ``optimizer_state``) and hyperparameters,
+    GradScaler state, position."""
     names: list[str] = []
     device_prints: list[torch.Tensor] = []
     numbers: list[tuple[str, int]] = []
@@ -85,6 +89,8 @@ def fingerprint(state: AuditedState, floating_buffers: bool) -> tuple[list[str],
             for key, value in sorted(optimizer.state.get(param, {}).items()):
                 label = f"optimizer {key} of {param_names.get(id(param), 'an unnamed parameter')}"
                 if isinstance(value, torch.Tensor):
+                    if not optimizer_state:
+                        continue
                     names.append(label)
                     device_prints.append(tensor_print(value))
                 elif isinstance(value, (int, float)):
@@ -116,14 +122,14 @@ def compare(names: list[str], gathered: list[torch.Tensor]) -> tuple[str, list[i
     return names[first], ranks, int(differing.sum())
 
 
-def audit(state: AuditedState, where: str, floating_buffers: bool) -> str | None:
+def audit(state: AuditedState, where: str, floating_buffers: bool, optimizer_state: bool = True) -> str | None:
     """Compare every rank's state with rank 0's (a collective: every rank calls it at the same point).
 
     Returns None when the ranks agree, else the one line that names the first difference (the same
     line on every rank)."""
     if dist.size() == 1:
         return None
-    names, values = fingerprint(state, floating_buffers)
+    names, values = fingerprint(state, floating_buffers, optimizer_state)
     # One collective: each rank's count, then its values (Horovod's allgather takes tensors of
     # different lengths along dimension 0).
     flat = dist.allgather(torch.cat([torch.tensor([len(values)], dtype=torch.int64), values]),

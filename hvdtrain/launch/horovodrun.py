@@ -31,8 +31,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..config import ConfigError
 from ..fault import signals
-from ..train.preflight import check_train_args, hvdtrain_train_args
+from ..train.preflight import adasum_problem, check_train_args, hvdtrain_train_args
 from .forwarding import RANK_VARIABLES, Forwarder, disposition, local_ranks  # noqa: F401
 from .records import (  # noqa: F401 - the records' names, here where they have always been found
     MEANINGS,
@@ -230,13 +231,16 @@ def main(argv: list[str]) -> int:
     except LaunchError as error:
         print(f"hvdtrain launch: error: {error}", file=sys.stderr, flush=True)
         return 2
-    train_args = hvdtrain_train_args(horovodrun_command(argv))
+    command = horovodrun_command(argv)
+    train_args = hvdtrain_train_args(command)
     if train_args is not None:
         # The config of the hvdtrain command it starts, checked as its ranks will check it (the
         # model's parameter names included, train/preflight.py): a mistake is one line, before
         # horovodrun has started a rank, in the launcher's own last line (exit 2).
         try:
-            check_train_args(train_args, "hvdtrain launch ... python -m hvdtrain", own_tasks=False)
+            cfg = check_train_args(train_args, "hvdtrain launch ... python -m hvdtrain", own_tasks=False)
+            if cfg is not None and cfg.dist.op == "adasum" and "--gloo" in argv[:len(argv) - len(command)]:
+                raise ConfigError(adasum_problem("gloo", {"mpi": True}, 1, 1, gpu=False))
         except Exception as error:
             from ..outcome import user_errors
 

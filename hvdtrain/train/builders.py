@@ -219,3 +219,14 @@ def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None,
     if cfg.amp.dtype == "float16":
         return torch.float16, torch.amp.GradScaler(device.type)
     return torch.bfloat16, None
+
+
+def lr_batch(op: str, global_batch: int, size: int, local_size: int, gpu_adasum: bool) -> int:
+    """The batch the learning rate is scaled for (optim.base_lr is per 256 images): the global batch,
+    but under Adasum one rank's (Horovod's example: no scaling by the number of ranks, since Adasum
+    combines the ranks' updates rather than averaging their gradients); a host's with GPU Adasum over
+    NCCL, which reduces within each host with NCCL and between hosts with Adasum (the example scales by
+    the ranks per host there)."""
+    if op != "adasum":
+        return global_batch
+    return global_batch // size * (local_size if gpu_adasum else 1)

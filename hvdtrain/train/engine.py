@@ -40,6 +40,7 @@ class StepSettings:
     amp_dtype: torch.dtype | None = None       # None = no autocast
     clip_grad_norm: float = 0.0
     backward_passes_per_step: int = 1
+    steps_in_backward: bool = False            # Horovod's Adasum: each rank steps during backward, step() combines
     phase_timing: bool = True                  # time each step's phases (observe/phases.py)
     prefetch: bool = True                      # CUDA: the next batch to the device on a side stream
     seed: int = 0                              # cfg.seed: batch-level random augmentation derives from it
@@ -77,6 +78,17 @@ def optimizer_step(state: RunState, settings: StepSettings, clock: StepClock = N
     what Horovod's own ``step()`` does, with the wait made visible to ``clock``.)
     """
     optimizer, scaler, guard = state.optimizer, state.scaler, settings.guard
+    if settings.steps_in_backward:
+        # Horovod's Adasum: the last backward pass stepped each rank on its own gradients and sent the
+        # updates; step() combines them and applies the result, the same on every rank. No scaler and
+        # no clipping here (config/checks.py refuses them); the guard looks at the combined weights.
+        optimizer.step()
+        clock.lap("allreduce")
+        if guard is not None:
+            guard.after_allreduce(state.model, state.position.step, weights=True)
+        optimizer.zero_grad()
+        clock.lap("optimizer")
+        return
     # CPU: wait in short naps, then asleep (dist.wait_quietly). CUDA keeps Horovod's own wait, not
     # yet measured against it on a GPU.
     dist.synchronize(optimizer, quiet=settings.device.type == "cpu")

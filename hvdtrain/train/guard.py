@@ -48,9 +48,13 @@ class FiniteGuard:
         grad = self.probe.grad
         return grad._values() if grad.is_sparse else grad
 
-    def after_allreduce(self, model: torch.nn.Module, step: int) -> None:
-        """Without a GradScaler: note the step if its averaged gradients are not finite."""
+    def after_allreduce(self, model: torch.nn.Module, step: int, weights: bool = False) -> None:
+        """Without a GradScaler: note the step if its averaged gradients are not finite; with
+        ``weights``, if the weights they reach are not (Adasum's combined step: each rank's own
+        gradients differ, the combined weights do not)."""
         grad = self.probe_grad(model)
+        if grad is not None and weights:
+            grad = self.probe.detach()
         if grad is not None:
             bad = ~torch.isfinite(grad).all()
             self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)

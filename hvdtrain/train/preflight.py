@@ -17,6 +17,7 @@ recommender's model depends on its data, and a task of one's own may build anyth
 from __future__ import annotations
 
 import os
+from typing import Mapping
 
 from ..config import Config, ConfigError
 
@@ -48,21 +49,23 @@ def check_before_launch(cfg: Config) -> None:
     optimizer_groups(model, cfg.optim)
 
 
-def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -> None:
+def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -> Config | None:
     """A train command's arguments (``--config FILE``, ``key=value``...) as its ranks will read them,
     checked here: the config, the data choice and ``check_before_launch``. ``own_tasks=False``: a
     config whose task is not a shipped one is left to the ranks (its module may be importable only
-    where they run: another PYTHONPATH, files on the compute nodes)."""
+    where they run: another PYTHONPATH, files on the compute nodes). Returns the config checked
+    (None: left to the ranks)."""
     from ..arguments import require_data_choice, train_parser
     from ..job_config import load_config
     from ..tasks.registry import TASKS
 
     args = train_parser(prog).parse_args(train_args)
     if not own_tasks and load_config(args.config, args.overrides, check=False).task not in TASKS:
-        return
+        return None
     cfg = load_config(args.config, args.overrides)
     require_data_choice(args.config, cfg)
     check_before_launch(cfg)
+    return cfg
 
 
 # Interpreter options without a value that may come before ``-m hvdtrain`` (-P: the working folder
@@ -92,3 +95,23 @@ def hvdtrain_train_args(command: list[str]) -> list[str] | None:
     if rest and (rest[0] in SUMMARIES or rest[0] in HELP_WORDS or looks_like_command(rest[0])):
         return None
     return rest
+
+
+def adasum_problem(controller: str, built: Mapping[str, bool], size: int, hosts: int, gpu: bool) -> str | None:
+    """Why Horovod 0.28 cannot run ``dist.op=adasum`` in this job, or None: its Adasum runs on the
+    MPI controller alone (operations.cc builds no Adasum for Gloo), over a power-of-2 number of
+    ranks on CPU, of hosts with NCCL on GPU (torch/mpi_ops.py)."""
+    fix = "or set dist.op=average"
+    if not built.get("mpi"):
+        return ("dist.op=adasum needs Horovod built with MPI (Horovod's Adasum runs on MPI alone), and this one "
+                f"has no MPI: install Open MPI and rebuild Horovod (make setup), {fix}")
+    if controller != "mpi":
+        return (f"dist.op=adasum needs Horovod's MPI controller (Horovod's Adasum runs on MPI alone), and this job "
+                f"runs on {controller}: launch with horovodrun --mpi (hvdtrain launch --mpi) or mpirun, {fix}")
+    nccl = gpu and built.get("nccl", False)
+    count, what = (hosts, "hosts") if nccl else (size, "ranks")
+    if count & (count - 1):
+        return (f"dist.op=adasum needs a power-of-2 number of {what} (Horovod's Adasum{' with NCCL' if nccl else ''}), "
+                f"and this job has {count}: run on {1 << (count.bit_length() - 1)} or {1 << count.bit_length()}, {fix}")
+    return None
+

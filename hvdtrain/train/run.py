@@ -38,12 +38,14 @@ from .builders import (
     build_scaler,
     compression_for,
     last_batch_note,
+    lr_batch,
     pick_device,
     threads_per_rank,
     wants_gpu,
 )
 from .engine import StepSettings
 from .guard import FiniteGuard
+from .preflight import adasum_problem
 from .run_folder import Claim, prepare_output_dir, sharing_note
 from .state import RunState
 
@@ -93,6 +95,10 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
               stall_warning_seconds=cfg.dist.stall_warning_seconds,
               stall_shutdown_seconds=cfg.dist.stall_shutdown_seconds, timeline=bool(cfg.runtime.timeline),
               engine=cfg.dist.engine)
+    if cfg.dist.op == "adasum":
+        problem = adasum_problem(dist.controller(), dist.built(), dist.size(), dist.cross_size(), wants_gpu(cfg))
+        if problem:
+            raise ConfigError(problem)
     # What a setup that fails half-way has started is stopped again: a process may start another run.
     with contextlib.ExitStack() as undo:
         liveness, peers = build_peers(elastic)
@@ -130,7 +136,9 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         loaders, steps_per_epoch, global_batch = build_loaders(cfg, task, device)
         dtype = getattr(torch, cfg.model.dtype)
         model = build_model(cfg, task, device, dtype)
-        schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps_per_epoch)
+        rate_batch = lr_batch(cfg.dist.op, global_batch, dist.size(), dist.local_size(),
+                              device.type == "cuda" and dist.built()["nccl"])
+        schedule = LRSchedule.from_config(cfg.optim, rate_batch, cfg.train.epochs, steps_per_epoch)
         amp_dtype, scaler = build_scaler(cfg, device)
         state = RunState(model, build_optimizer(cfg, model, schedule, device, task), scaler)
         for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
@@ -140,6 +148,7 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         settings = StepSettings(task=task, device=device, lr_schedule=schedule, dtype=dtype, amp_dtype=amp_dtype,
                                 clip_grad_norm=cfg.optim.clip_grad_norm,
                                 backward_passes_per_step=cfg.train.backward_passes_per_step,
+                                steps_in_backward=cfg.dist.op == "adasum",
                                 phase_timing=cfg.runtime.phase_timing, prefetch=cfg.runtime.prefetch, seed=cfg.seed,
                                 # A host sync every step costs nothing on a CPU; on a GPU it would stall the queue.
                                 guard=FiniteGuard(device, check_every=1 if device.type == "cpu" else 100,
@@ -176,7 +185,10 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
             return run
         given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
         log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks "
-            f"x {passes} passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g} over {cfg.optim.warmup_epochs:g} "
+            f"x {passes} passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g}"
+            + (f" (Adasum: for {rate_batch} images, not scaled by the {world_size} ranks)"
+               if rate_batch != global_batch and not cfg.optim.lr else "")
+            + f" over {cfg.optim.warmup_epochs:g} "
             f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch"
             f"{'' if cfg.elastic.enabled else last_batch_note(cfg, loaders, world_size)}; "
             f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"

@@ -42,7 +42,7 @@ def audit_ranks(run: Run, where: str, floating_buffers: bool = False) -> None:
     job on every rank with one line from rank 0, under ``warn`` rank 0 says it and the run goes on."""
     if run.cfg.runtime.audit == "off":
         return
-    line = audit(run.state, where, floating_buffers)
+    line = audit(run.state, where, floating_buffers, optimizer_state=run.cfg.dist.op != "adasum")
     if line is None:
         return
     if run.cfg.runtime.audit == "warn":
