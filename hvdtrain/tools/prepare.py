@@ -12,8 +12,9 @@ records keep that order; training records are shuffled once with a fixed seed (I
 is class by class), so shard contents are a pure function of the source and the options.
 
 Safety and resume: the destination is a folder of the user's that nobody else can write
-(hvdtrain/ownership.py; made 0755 within the umask). Each shard is written to a new
-``.NAME.tmp-RANDOM`` (O_EXCL: never through a planted link; 0644 within the umask) and renamed when
+(hvdtrain/ownership.py; made 0700, as a private run's folders, unless ``--share group`` or
+``--share everyone`` asks for 0750 or 0755 within the umask). Each shard is written to a new
+``.NAME.tmp-RANDOM`` (O_EXCL: never through a planted link; 0600, 0640 or 0644) and renamed when
 complete, then its sidecar ``.prepare/NAME.json`` (image count, sha256). A rerun keeps every shard
 whose sidecar is present and whose bytes still hash to it, and writes the others again; the tar
 files are deterministic (fixed mtime, owner and member order), so the result is byte-identical to
@@ -25,8 +26,8 @@ output for the same source and options is refused.
 What goes in: only files that are images (their header parses as one, whether copied or
 re-encoded; anything else is skipped and listed in the manifest). Links are followed as
 ImageFolder follows them, but a file reached through a link that leaves SRC stops the run with one
-line unless ``--follow-links``: in a folder others can write, a link to a private key would
-otherwise land in a shard. A symlink loop stops the scan with one line (``file_index.walk``).
+line unless ``--follow-links``, checked before anything is written and again on the descriptor each
+file is read from (prepare_source.py). A symlink loop stops the scan with one line (``file_index.walk``).
 
 Only Pillow, simplejpeg and the standard library are used: no torch, so workers start fast.
 """
@@ -48,7 +49,18 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..data.files.index import DataError, check_layout, scan_split, sha256_file
-from ..ownership import UMASK, UnsafePath, current_umask, file_mode, open_trusted, own_folder, write_atomic
+from ..ownership import (
+    GROUP,
+    PRIVATE,
+    UMASK,
+    UnsafePath,
+    current_umask,
+    file_mode,
+    open_trusted,
+    own_folder,
+    write_atomic,
+)
+from .prepare_source import LeftSource, encode, outside_links
 
 FORMAT = "hvdtrain-shards-v1"
 MANIFEST = "manifest.json"
@@ -57,9 +69,9 @@ OPTIONS_FILE = "options.json"
 SPLITS = ("train", "val")
 # Images re-encoded to estimate the output size per image when --max-side plans the shards.
 ESTIMATE_SAMPLE = 32
-# What Pillow may identify a source file as (file_index.IMG_EXTENSIONS' formats; MPO: a JPEG with
-# extra frames, as cameras write). Anything else is skipped, never copied into a shard.
-IMAGE_FORMATS = {"JPEG", "MPO", "PNG", "PPM", "BMP", "TIFF", "WEBP"}
+
+# --share: who may read the shards (ownership.py's modes).
+SHARE_CHOICES = {"private": PRIVATE, "group": GROUP, "everyone": UMASK}
 
 
 class PrepareError(DataError):
@@ -77,45 +89,6 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:06d}.tar"
 
 
-def member_ext(path: str) -> str:
-    ext = os.path.splitext(path)[1].lower().lstrip(".")
-    return "jpg" if ext == "jpeg" else ext
-
-
-def encode(path: str, max_side: int, quality: int) -> tuple[bytes, str]:
-    """The bytes and extension stored for one source file, which must be an image (its header
-    parses as one of IMAGE_FORMATS, ``Image.verify`` passes).
-
-    Without ``max_side`` (or when the image already fits) the original bytes, untouched; otherwise
-    the image downscaled so that its longer side is ``max_side`` (Pillow's reducing draft + Lanczos),
-    re-encoded as RGB JPEG at ``quality``. OSError: unreadable file; ValueError: not an image.
-    """
-    with open(path, "rb") as handle:
-        data = handle.read()
-    if not data:
-        raise ValueError("empty file")
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            # Only images go into a shard, copied or not: a key or a text file named .jpg is skipped.
-            if image.format not in IMAGE_FORMATS:
-                raise ValueError(f"not an image ({image.format} data)")
-            if not max_side or max(image.size) <= max_side:
-                image.verify()
-                return data, member_ext(path)
-            width, height = image.size
-            scale = max_side / max(width, height)
-            size = (max(1, round(width * scale)), max(1, round(height * scale)))
-            image.draft("RGB", size)
-            small = image.convert("RGB").resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
-        out = io.BytesIO()
-        small.save(out, format="JPEG", quality=quality)
-        return out.getvalue(), "jpg"
-    except OSError as error:  # Pillow's UnidentifiedImageError, truncated data, ...
-        raise ValueError(f"not an image: {type(error).__name__}: {error}") from None
-
-
 def tar_member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
     """A member whose header does not depend on the machine, the user or the time."""
     info = tarfile.TarInfo(name)
@@ -125,11 +98,11 @@ def tar_member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
     return info, io.BytesIO(data)
 
 
-def fresh_file(folder: Path, name: str) -> tuple[BinaryIO, Path]:
+def fresh_file(folder: Path, name: str, share: str = PRIVATE) -> tuple[BinaryIO, Path]:
     """A new file ``.NAME.tmp-RANDOM`` in ``folder`` (O_EXCL: a link planted at a name we would pick
-    is never written through), 0644 within the umask (ownership.UMASK)."""
+    is never written through), ``ownership.file_mode(share)`` within the umask (0600 by default)."""
     descriptor, path = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
-    os.fchmod(descriptor, file_mode(UMASK) & ~current_umask())
+    os.fchmod(descriptor, file_mode(share) & ~current_umask())
     return os.fdopen(descriptor, "wb"), Path(path)
 
 
@@ -139,27 +112,36 @@ def read_trusted(path: Path) -> bytes:
         return handle.read()
 
 
-def write_shard(job: tuple[str, str, list[Record], int, int]) -> dict:
-    """Write one shard (temporary name, then rename) and its sidecar; returns the sidecar."""
-    dst, name, records, max_side, quality = job
+def write_shard(job: tuple[str, str, list[Record], int, int, str | None, str]) -> dict:
+    """Write one shard (temporary name, then rename) and its sidecar; returns the sidecar. ``inside``
+    (the source folder and a separator, or None with --follow-links): where each file read must lie
+    (prepare_source.open_source); a file that leads elsewhere stops the run (LeftSource)."""
+    dst, name, records, max_side, quality, inside, share = job
     final, state = Path(dst) / name, Path(dst) / STATE_DIR / f"{name}.json"
-    handle, scratch = fresh_file(Path(dst), name)
+    handle, scratch = fresh_file(Path(dst), name, share)
     skipped: list[str] = []
     images = 0
-    with handle, tarfile.open(fileobj=handle, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for record in records:
-            try:
-                data, ext = encode(record.path, max_side, quality)
-            except (OSError, ValueError) as error:
-                skipped.append(f"{record.path} ({getattr(error, 'strerror', None) or error})")
-                continue
-            for member, payload in ((f"{record.key}.{ext}", data), (f"{record.key}.cls", str(record.label).encode())):
-                tar.addfile(*tar_member(member, payload))
-            images += 1
+    try:
+        with handle, tarfile.open(fileobj=handle, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for record in records:
+                try:
+                    data, ext = encode(record.path, max_side, quality, inside)
+                except LeftSource:
+                    raise
+                except (OSError, ValueError) as error:
+                    skipped.append(f"{record.path} ({getattr(error, 'strerror', None) or error})")
+                    continue
+                label = str(record.label).encode()
+                for member, payload in ((f"{record.key}.{ext}", data), (f"{record.key}.cls", label)):
+                    tar.addfile(*tar_member(member, payload))
+                images += 1
+    except LeftSource:
+        scratch.unlink()  # nothing of a source that changed under the run is kept
+        raise
     info = {"name": name, "images": images, "bytes": scratch.stat().st_size, "sha256": sha256_file(scratch),
             "skipped": skipped}
     os.replace(scratch, final)
-    write_atomic(state, json.dumps(info), UMASK)
+    write_atomic(state, json.dumps(info), share)
     return info
 
 
@@ -189,7 +171,7 @@ def plan(records: list[Record], sizes: list[int], shard_bytes: int) -> list[list
     return [shard for shard in shards if shard]
 
 
-def estimated_sizes(records: list[Record], max_side: int, quality: int) -> list[int]:
+def estimated_sizes(records: list[Record], max_side: int, quality: int, inside: str | None) -> list[int]:
     """Bytes per record in the shard: the file size, or with --max-side a fixed estimate from
     re-encoding the first images (deterministic: it depends on the source alone)."""
     sizes = []
@@ -203,49 +185,25 @@ def estimated_sizes(records: list[Record], max_side: int, quality: int) -> list[
     sample = []
     for record in records[:ESTIMATE_SAMPLE]:
         try:
-            sample.append(len(encode(record.path, max_side, quality)[0]) + 1536)
+            sample.append(len(encode(record.path, max_side, quality, inside)[0]) + 1536)
+        except LeftSource:
+            raise
         except (OSError, ValueError):
             pass
     mean = sum(sample) / len(sample) if sample else 1024
     return [int(mean)] * len(records)
 
 
-def outside_links(src: Path, split: str, paths: list[str]) -> list[tuple[str, str]]:
-    """(path, target) of the listed files that are, or lie under, a link to somewhere outside
-    ``src`` (resolved). One realpath per folder, and one per file that is itself a link."""
-    inside = str(src) + os.sep
-    by_folder: dict[str, list[str]] = {}
-    for path in paths:
-        folder, name = os.path.split(path)
-        by_folder.setdefault(folder, []).append(name)
-    found = []
-    for folder, names in by_folder.items():
-        where = src / split / folder
-        real = os.path.realpath(where)
-        if not (real + os.sep).startswith(inside):
-            found += [(str(where / name), os.path.join(real, name)) for name in names]
-            continue
-        try:
-            links = {entry.name for entry in os.scandir(where) if entry.is_symlink()}
-        except OSError:
-            continue
-        for name in set(names) & links:
-            target = os.path.realpath(where / name)
-            if not target.startswith(inside):
-                found.append((str(where / name), target))
-    return sorted(found)
-
-
-def check_destination(dst: Path, options: dict) -> None:
+def check_destination(dst: Path, options: dict, share: str = PRIVATE) -> None:
     """Make the destination, or refuse it: not a folder of this user's that nobody else can write
     (hvdtrain/ownership.py), or not empty and not an unfinished or finished run with these options,
     or holding such a run's markers that another user wrote or can change."""
     if dst.exists() and not dst.is_dir():
         raise PrepareError(f"destination {dst} is a file (give a new or empty folder)")
     try:
-        own_folder(dst, UMASK, what="destination", fix="give a new folder of yours")
+        own_folder(dst, share, what="destination", fix="give a new folder of yours")
         if os.path.lexists(dst / STATE_DIR):
-            own_folder(dst / STATE_DIR, UMASK, what="destination's state folder",
+            own_folder(dst / STATE_DIR, share, what="destination's state folder",
                        fix="delete the destination or give a new folder of yours")
     except UnsafePath as error:
         raise PrepareError(str(error)) from None
@@ -271,13 +229,15 @@ def check_destination(dst: Path, options: dict) -> None:
 
 
 def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 0, quality: int = 90,
-            workers: int = 1, progress: bool = True, follow_links: bool = False) -> dict:
+            workers: int = 1, progress: bool = True, follow_links: bool = False, share: str = PRIVATE) -> dict:
     """Write the shards and the manifest (see the module docstring); returns the manifest.
 
     Links inside the source are followed as ImageFolder follows them; a file reached through a
     link that leaves the source folder is refused (one line naming it) unless ``follow_links``:
     in a folder others can write to, such a link would copy any file this user can read (a
-    private key) into the shards. A symlink loop stops the scan (file_index.walk)."""
+    private key) into the shards; each file is checked again on the descriptor it is read from
+    (prepare_source.py). A symlink loop stops the scan (file_index.walk). The shards and the manifest
+    are written with ``share``'s modes (ownership.py): private (0700/0600) unless asked for more."""
     if max_side < 0 or not 1 <= quality <= 100 or shard_size_mb <= 0 or workers < 1:
         raise PrepareError("need --max-side >= 0, 1 <= --quality <= 100, --shard-size > 0 and --workers >= 1")
     src = src.expanduser().resolve()
@@ -287,14 +247,15 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
         raise PrepareError(f"source: {error}") from None
     options = {"source": str(src), "shard_size_mb": shard_size_mb, "max_side": max_side,
                "quality": quality if max_side else None}
-    check_destination(dst, options)
+    check_destination(dst, options, share)
     if (dst / MANIFEST).is_file():
         print(f"prepare: {dst} is complete (manifest.json present); nothing to do", file=sys.stderr)
         return json.loads(read_trusted(dst / MANIFEST).decode("utf-8"))  # check_destination trusted it
-    own_folder(dst / STATE_DIR, UMASK, what="destination's state folder")
+    own_folder(dst / STATE_DIR, share, what="destination's state folder")
     marker = dst / STATE_DIR / OPTIONS_FILE
     if not marker.exists():
-        write_atomic(marker, json.dumps({"format": FORMAT, "options": options}), UMASK)
+        write_atomic(marker, json.dumps({"format": FORMAT, "options": options}), share)
+    inside = None if follow_links else str(src) + os.sep
     for stale in [*dst.glob(".*.tmp-*"), *dst.glob(".*.tmp"), *(dst / STATE_DIR).glob(".*.tmp")]:
         stale.unlink()  # partial files of an interrupted run
 
@@ -319,7 +280,7 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
             # ImageFolder order is class by class; a seeded shuffle before sharding gives every shard
             # many classes, so that the reader's shard permutation and shuffle buffer mix well.
             random.Random(0).shuffle(records)
-        shards = plan(records, estimated_sizes(records, max_side, quality), int(shard_size_mb * 2**20))
+        shards = plan(records, estimated_sizes(records, max_side, quality, inside), int(shard_size_mb * 2**20))
         splits[split] = []
         for number, shard in enumerate(shards):
             name = shard_name(split, number)
@@ -328,7 +289,7 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
             if info is not None:
                 done[name] = info
             else:
-                jobs.append((str(dst), name, shard, max_side, quality))
+                jobs.append((str(dst), name, shard, max_side, quality, inside, share))
     total = sum(len(job[2]) for job in jobs)
     if done:
         print(f"prepare: resuming: {len(done)} finished shards verified, {len(jobs)} to write", file=sys.stderr)
@@ -360,7 +321,7 @@ def prepare(src: Path, dst: Path, shard_size_mb: float = 256.0, max_side: int = 
     manifest["totals"] = {"images": sum(s["images"] for s in manifest["splits"].values()),
                           "bytes": sum(s["bytes"] for split in manifest["splits"].values() for s in split["shards"]),
                           "skipped": len(manifest["skipped"])}
-    write_atomic(dst / MANIFEST, json.dumps(manifest, indent=1), UMASK)
+    write_atomic(dst / MANIFEST, json.dumps(manifest, indent=1), share)
     for side in (dst / STATE_DIR).iterdir():
         side.unlink()
     (dst / STATE_DIR).rmdir()
@@ -391,7 +352,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--follow-links", action="store_true",
                         help="include files reached through links that leave SRC (default: refuse them)")
+    parser.add_argument("--share", choices=sorted(SHARE_CHOICES), default="private",
+                        help="who may read the shards: private (0700 folder, 0600 files; the default), group "
+                        "(0750, 0640) or everyone (0755, 0644), each within the umask")
     args = parser.parse_args(argv)
     prepare(Path(args.src), Path(args.dst), args.shard_size, args.max_side, args.quality, args.workers,
-            progress=not args.no_progress, follow_links=args.follow_links)
+            progress=not args.no_progress, follow_links=args.follow_links, share=SHARE_CHOICES[args.share])
     return 0

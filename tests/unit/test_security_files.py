@@ -17,6 +17,7 @@ import pytest
 from hvdtrain.data.demo import generate
 from hvdtrain.data.files.index import DataError, LayoutError, build_index, scan_split
 from hvdtrain.data.ratings.movielens import CSV_HEADER, load_split
+from hvdtrain.ownership import UMASK
 from hvdtrain.tools.prepare import PrepareError, prepare
 from tests import users
 
@@ -214,10 +215,11 @@ def test_the_file_index_cache_is_not_written_through_a_planted_link(source, tmp_
 
 
 def test_prepare_output_modes_follow_the_umask(source, tmp_path):
-    # Shards are created under a private temporary name, then get the mode a plain create gives.
+    # Shards shared with everyone (--share everyone) are created under a private temporary name, then
+    # get the mode a plain create gives (private ones: tests/unit/test_security_prepare.py).
     previous = os.umask(0o022)
     try:
-        prepare(source, tmp_path / "out", progress=False)
+        prepare(source, tmp_path / "out", progress=False, share=UMASK)
     finally:
         os.umask(previous)
     for path in (tmp_path / "out").iterdir():
@@ -264,5 +266,5 @@ def test_prepare_writes_again_a_shard_that_is_not_the_users(source, tmp_path):
     (dst / ".prepare" / f"{shard['name']}.json").write_text(json.dumps({**shard, "skipped": []}))
     (dst / shard["name"]).chmod(0o666)
     prepare(source, dst, progress=False)
-    assert (dst / shard["name"]).stat().st_mode & 0o777 == 0o644
+    assert (dst / shard["name"]).stat().st_mode & 0o777 == 0o600  # written again, privately
     assert {p.name: p.read_bytes() for p in dst.glob("*.tar")} == reference
