@@ -5,11 +5,14 @@ Everything in it is checked before use, since anyone who can write the file can 
 its size, the class names, each shard's name (a file inside the folder) and image count (a number
 within bounds, and, for local shards, no more than the shard's real size can hold). A bad value is
 one line and exit 65 (``DamagedData``), never a traceback or an array of a size the file claims. A
-local manifest or shard that anyone can write is refused as well.
+local manifest or shard that anyone can write is refused as well, and so is one that is a link (a
+shard named in the manifest could otherwise lead out of data.dir, to any file the user can read):
+checked before training, and again when each file is opened (``O_NOFOLLOW``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +49,13 @@ def join(root: str, name: str) -> str:
 
 
 def open_binary(path: str):
-    """A local file, or a remote one through fsspec (s3fs for s3://) with short connection timeouts
-    so that an unreachable endpoint is reported in seconds, not after minutes of retries."""
+    """A local file (never through a link: ``O_NOFOLLOW``, ELOOP where it is one), or a remote one
+    through fsspec (s3fs for s3://) with short connection timeouts so that an unreachable endpoint is
+    reported in seconds, not after minutes of retries."""
     if not is_url(path):
-        return open(path, "rb")
+        import os
+
+        return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
     fsspec = require_fsspec(path)
     options: dict[str, Any] = {}
     if path.startswith(("s3://", "s3a://")):
@@ -139,6 +145,8 @@ def read_manifest(root: str) -> Manifest:
         raise DamagedData(f"{path} is not valid JSON ({str(error)[:120]}); prepare the shards again") from None
     except Exception as error:  # botocore and aiohttp errors: no common base class worth importing
         if not is_url(root):
+            if isinstance(error, OSError) and error.errno == errno.ELOOP:
+                raise link_error(path) from None
             raise DataError(f"cannot read {path} ({type(error).__name__}: {error})") from None
         raise remote_error(root, error) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -213,9 +221,12 @@ def check_shards_present(manifest: Manifest) -> None:
     found: dict[str, os.stat_result] = {}
     for name in names:
         try:
-            found[name] = os.stat(join(manifest.root, name))
+            found[name] = os.lstat(join(manifest.root, name))
         except OSError:
             pass
+    links = [name for name in names if name in found and stat.S_ISLNK(found[name].st_mode)]
+    if links:
+        raise link_error(join(manifest.root, links[0]), len(links))
     missing = [name for name in names if name not in found or not stat.S_ISREG(found[name].st_mode)]
     if missing:
         raise DataError(f"{len(missing)} of the {len(names)} shards that {join(manifest.root, MANIFEST)} lists are "
@@ -232,6 +243,16 @@ def check_shards_present(manifest: Manifest) -> None:
         raise DataError(f"{join(manifest.root, open_to_all[0])} can be written by anyone ({len(open_to_all)} file(s) "
                         f"of the shard set): whoever changes it changes what trains; have its owner run chmod o-w, "
                         f"or copy the shards to a folder of yours")
+
+
+def link_error(path: str, count: int = 1) -> DamagedData:
+    """One line for a file of a local shard set that is a link (exit 65), as prepare refuses links."""
+    import os
+
+    more = f", and {count - 1} more" if count > 1 else ""
+    return DamagedData(f"{path} is a link (to {os.path.realpath(path)}){more}: a shard set's files are read only "
+                       f"as files inside data.dir, never through a link, which could lead to any file of yours; copy "
+                       f"the files there, or prepare the shards again")
 
 
 def bucket_or_manifest(root: str, error: FileNotFoundError) -> DataError:
