@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ownership import PRIVATE, open_append, own_folder
+from ..ownership import PRIVATE, current_umask, file_mode, open_append, own_folder
 from .rank_logs import RANKS_FILE, split_record
 
 
@@ -117,6 +118,19 @@ class StepCurves:
         self.mark, self.last_point = (step, now, local), step
 
 
+def restrict_event_files(folder: Path, share: str) -> None:
+    """Give tensorboardX's event files in ``folder`` the mode of the run's other files (0600 in a
+    private run): tensorboardX creates them with plain ``open`` (0644 within the umask), and creates
+    each one in its constructor. ``folder`` is the user's own and nobody else can write it
+    (own_folder), so nothing in it can have been swapped for a link."""
+    mode = file_mode(share) & ~current_umask()
+    uid = os.geteuid()
+    for entry in os.scandir(folder):
+        if entry.name.startswith("events.") and entry.is_file(follow_symlinks=False) \
+                and entry.stat(follow_symlinks=False).st_uid == uid:
+            os.chmod(entry.path, mode)
+
+
 class MetricsWriter:
     """metrics.jsonl (one object per split per epoch), its per-rank part in metrics_ranks.jsonl
     (``by_rank``, every straggler: rank_logs.split_record; rank_logs.read_records joins them) and
@@ -146,6 +160,8 @@ class MetricsWriter:
             # name's time has whole seconds), which TensorBoard's reader follows.
             self.tb = SummaryWriter(logdir=str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None,
                                     filename_suffix=f".step{start_step:012d}")
+            restrict_event_files(run_dir / "tb", share)
+
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; a write that fails (a full disk, a quota, a vanished mount) costs the

@@ -122,3 +122,15 @@ def test_checkpoints_are_private_and_never_written_through_a_link(tmp_path, umas
     fresh.save({"model": {}, "optimizer": {}, "epoch": 1, "step": 4, "config": {}}, False)
     assert mode(tmp_path / "new" / "checkpoints") == 0o750
     assert mode(tmp_path / "new" / "checkpoints" / "last.pt") == 0o640
+
+
+@pytest.mark.parametrize("share, folder_mode, file_mode", [("private", 0o700, 0o600), ("group", 0o750, 0o640)])
+def test_tensorboard_event_files_have_the_runs_mode(tmp_path, umask_022, share, folder_mode, file_mode):
+    run = tmp_path / "run"
+    for leg, start_step in enumerate((0, 40)):  # a resumed run opens a second event file
+        writer = MetricsWriter(run, tensorboard=True, share=share, start_step=start_step)
+        writer.write({"split": "train", "epoch": leg, "step": start_step + 20, "loss": 1.0})
+        writer.close()
+    events = sorted((run / "tb").glob("events.out.tfevents.*"))
+    assert len(events) == 2 and events[1].stat().st_size > 0
+    assert mode(run / "tb") == folder_mode and [mode(path) for path in events] == [file_mode, file_mode]
