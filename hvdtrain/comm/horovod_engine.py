@@ -19,7 +19,7 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 from ..config import ConfigError
 from . import launcher_env as launcher
 from .buckets import gradient_buckets
-from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, check_elastic_env, stall_inspector_env
+from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, apply_stall_inspector, check_elastic_env
 
 Compression = hvd.Compression
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
@@ -38,15 +38,17 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
     user exported win, except those an ``elastic`` run cannot survive (a one-line error).
 
     ``stall_warning_seconds`` / ``stall_shutdown_seconds`` set Horovod's stall inspector (None:
-    leave it as the environment has it; 0 warning seconds turns it off). ``timeline`` lets
+    leave it as the environment has it; 0 warning seconds turns it off), unless the user exported
+    its variables: a start-up line then says the exported ones apply (``apply_stall_inspector``). ``timeline`` lets
     ``start_timeline`` record a timeline later (HOROVOD_TIMELINE=DYNAMIC).
     """
     if elastic:
         check_elastic_env()
     if timeout_seconds > 30:
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout_seconds))
-    if stall_warning_seconds is not None:
-        os.environ.update(stall_inspector_env(stall_warning_seconds, stall_shutdown_seconds))
+    note = ""
+    if stall_warning_seconds is not None and not hvd.is_initialized():
+        note = apply_stall_inspector(stall_warning_seconds, stall_shutdown_seconds)
     if timeline:
         os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
     if GLOO_RENDEZVOUS in os.environ and not hvd.is_initialized():
@@ -58,6 +60,8 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
         hvd.init()
         if join_problem():
             hvd.join = refuse_join  # a task's own hvd.join() stops with the line, not a hang
+        if note and hvd.rank() == 0:
+            print(note, flush=True)
 
 
 def join_problem() -> str | None:

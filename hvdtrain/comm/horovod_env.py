@@ -68,6 +68,28 @@ def check_elastic_env() -> None:
             f"crashes the job; unset {ELASTIC_UNSAFE_ENV} (and leave out horovodrun --cycle-time-ms) for elastic runs")
 
 
+STALL_VARIABLES = ("HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+
+
+def apply_stall_inspector(warning_seconds: int, shutdown_seconds: int) -> str:
+    """The stall inspector's variables for ``dist.stall_warning_seconds`` and ``dist.stall_shutdown_seconds``,
+    unless some are exported (``horovodrun --stall-check-*``, ``--no-stall-check``, the user's own):
+    then the exported ones are the inspector's settings, as every other Horovod variable the user
+    exports wins over hvdtrain's, and none is set. Returns the start-up line that names what the
+    config asked for and did not get ('' when nothing differs)."""
+    wanted = stall_inspector_env(warning_seconds, shutdown_seconds)
+    exported = {key: os.environ[key] for key in STALL_VARIABLES if key in os.environ}
+    if not exported:
+        os.environ.update(wanted)
+        return ""
+    if all(exported.get(key) == value for key, value in wanted.items()):
+        return ""
+    return (f"hvdtrain: Horovod's stall inspector as exported ({', '.join(f'{k}={v}' for k, v in exported.items())}), "
+            f"not as dist.stall_warning_seconds={warning_seconds}, dist.stall_shutdown_seconds={shutdown_seconds} "
+            "would set it: unset those variables for the config's")
+
+
 def stall_inspector_env(warning_seconds: int, shutdown_seconds: int) -> dict[str, str]:
     """Horovod's variables for the stall inspector (read by every rank at ``hvd.init``)."""
     if warning_seconds <= 0:

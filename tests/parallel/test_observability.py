@@ -134,6 +134,24 @@ def test_stall_inspector_warns_then_shuts_the_job_down(tmp_path):
     assert "done" not in result.stdout
 
 
+def test_the_users_exported_stall_inspector_settings_win_over_the_configs(tmp_path):
+    """horovodrun --stall-check-warning-time-seconds 2 --stall-check-shutdown-time-seconds 5 exports
+    these variables; the config's 60 s warning and no shutdown (hvdtrain's defaults) used to replace
+    them, and the job then waited out rank 1's 60 s. The exported ones now apply, and a start-up
+    line says so."""
+    started = time.monotonic()
+    result = launch("horovodrun-mpi", 2, [str(REPO / "tests" / "parallel" / "stall_probe.py"), "60", "0", "60"],
+                    tmp_path, timeout=300, check=False,
+                    env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "done" not in result.stdout, output[-3000:]
+    assert time.monotonic() - started < 50, output[-3000:]
+    assert "late_tensor" in output and "missing ranks" in output.lower(), output[-3000:]
+    assert ("hvdtrain: Horovod's stall inspector as exported (HOROVOD_STALL_CHECK_TIME_SECONDS=2, "
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5), not as dist.stall_warning_seconds=60, "
+            "dist.stall_shutdown_seconds=0 would set it") in output, output[-3000:]
+
+
 @pytest.mark.parametrize("kind", ["horovodrun-gloo", "mpirun"])
 def test_waiting_for_a_late_rank_costs_the_training_thread_no_cpu(kind, tmp_path):
     """Horovod 0.28.1's synchronize() spun on sched_yield while it waited (a core burned per rank,

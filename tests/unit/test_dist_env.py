@@ -67,6 +67,50 @@ def test_stall_inspector_settings_become_horovods_variables():
     assert horovod_env.stall_inspector_env(0, 0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
 
 
+def test_exported_stall_inspector_variables_win_and_a_line_says_so(monkeypatch):
+    """horovodrun's --stall-check-warning-time-seconds 5 --stall-check-shutdown-time-seconds 20
+    export these; the config's 60/0 used to replace them."""
+    for key in horovod_env.STALL_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    assert horovod_env.apply_stall_inspector(60, 0) == ""  # nothing exported: the config's
+    assert {key: os.environ[key] for key in horovod_env.STALL_VARIABLES} == horovod_env.stall_inspector_env(60, 0)
+    for key in horovod_env.STALL_VARIABLES:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "20")
+    line = horovod_env.apply_stall_inspector(60, 0)
+    assert line == ("hvdtrain: Horovod's stall inspector as exported (HOROVOD_STALL_CHECK_TIME_SECONDS=5, "
+                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=20), not as dist.stall_warning_seconds=60, "
+                    "dist.stall_shutdown_seconds=0 would set it: unset those variables for the config's")
+    assert (os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"], os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]) \
+        == ("5", "20") and "HOROVOD_STALL_CHECK_DISABLE" not in os.environ
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_DISABLE", "1")  # --no-stall-check, and the config's 0 agrees
+    monkeypatch.delenv("HOROVOD_STALL_CHECK_TIME_SECONDS")
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    assert horovod_env.apply_stall_inspector(0, 0) == ""
+
+
+def test_every_horovod_variable_hvdtrain_sets_leaves_an_exported_value(monkeypatch):
+    """The audit: what the ranks set before hvd.init (the device defaults, the Gloo timeout, the
+    timeline, the stall inspector) keeps a value the user exported."""
+    exported = {"HOROVOD_CYCLE_TIME": "7", "OMPI_MCA_mpi_yield_when_idle": "0", "HOROVOD_GLOO_TIMEOUT_SECONDS": "40",
+                "HOROVOD_TIMELINE": "/tmp/own.json", "HOROVOD_STALL_CHECK_TIME_SECONDS": "9",
+                "HOROVOD_CYCLE_WAKE_ON_ENQUEUE": "0"}
+    for key in horovod_env.STALL_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in exported.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(horovod_env.GLOO_RENDEZVOUS, "127.0.0.1")
+    monkeypatch.setattr(horovod_engine.hvd, "is_initialized", lambda: False)
+    monkeypatch.setattr(horovod_engine.hvd, "init", lambda: None)
+    monkeypatch.setattr(horovod_engine.hvd, "rank", lambda: 0)
+    monkeypatch.setattr(horovod_engine.launcher, "hostname_problem", lambda: None)
+    horovod_engine.init(gpu=False, timeout_seconds=600, stall_warning_seconds=60, stall_shutdown_seconds=0,
+                        timeline=True)
+    assert {key: os.environ[key] for key in exported} == exported
+    assert "HOROVOD_STALL_CHECK_DISABLE" not in os.environ and "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in os.environ
+
+
 def test_an_unresolvable_hostname_stops_a_gloo_rank_before_horovod_starts(monkeypatch):
     monkeypatch.setenv(horovod_env.GLOO_RENDEZVOUS, "127.0.0.1")
     monkeypatch.setattr(horovod_engine.launcher.socket, "gethostname", lambda: "no-such-host.invalid")
