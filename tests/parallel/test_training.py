@@ -4,6 +4,7 @@ asserting numbers: identical parameters, exact distributed validation, N ranks =
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -136,10 +137,21 @@ def test_n_ranks_reproduce_one_rank_with_n_times_the_batch(buckets, tiny_data, t
 ], ids=["fp16-compression", "bf16-amp", "fp16-amp-gradscaler", "backward-passes-2"])
 def test_training_paths_run_and_learn(variant, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "probe")]
+    launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "probe"), "--wire"]
            + tiny(tiny_data, run_dir, "train.epochs=4", "train.steps_per_epoch=6", *variant), tmp_path)
     ranks = load_ranks(tmp_path / "probe", 2)
     assert_identical([r["state"] for r in ranks])
+    # The setting took effect, not only the run: what went on the wire, how often, and the scaler.
+    rank = ranks[0]
+    wire, per_step = rank["wire"], rank["gradient_groups"] or rank["parameters"]
+    assert wire["dtypes"] == (["torch.float16"] if "dist.compression=fp16" in variant else ["torch.float32"]), wire
+    # One allreduce per gradient (or group) per optimizer step, however many backward passes it takes.
+    assert wire["allreduce_calls"] == rank["step"] * per_step, (wire, rank["step"], per_step)
+    assert rank["backward_passes"] == (2 if "train.backward_passes_per_step=2" in variant else 1)
+    if "amp.dtype=float16" in variant:
+        assert 1 <= rank["scale"] <= 2.0 ** 16 and math.log2(rank["scale"]).is_integer(), rank["scale"]
+    else:
+        assert rank["scale"] is None  # no GradScaler: fp32, or bfloat16 (which needs none)
     train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
     val = [r for r in read_metrics(run_dir) if r["split"] == "val"]
     assert train[-1]["loss"] < train[0]["loss"]
