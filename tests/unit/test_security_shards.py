@@ -167,6 +167,24 @@ def test_a_manifest_that_is_not_json_or_far_too_large_is_one_line(shard_copy):
         read_manifest(str(shard_copy))
 
 
+def test_a_sparse_shard_cannot_vouch_for_a_count(shard_copy, capsys):
+    """A sparse file has a size and no blocks: 64 MiB for the 1,024 bytes per record of the size check,
+    (nearly) nothing on disk. The count is held to the blocks, in one line with exit code 65."""
+    shard = shard_copy / "train-000000.tar"
+    with open(shard, "r+b") as handle:
+        handle.truncate(64 << 20)  # the real shard's records, then 64 MiB of nothing
+    on_disk = shard.stat().st_blocks * 512
+    assert on_disk < 1 << 20 and shard.stat().st_size == 64 << 20
+    tamper(shard_copy, lambda m: first_shard(m).update(images=60_000))  # 61 MB at 1 KB a record: fits the size
+    with pytest.raises(DamagedData) as error:
+        read_manifest(str(shard_copy))
+    line = str(error.value)
+    assert f"it counts 60000 images in train-000000.tar, a file of {64 << 20} bytes with {on_disk} on disk " \
+           f"(a sparse file)" in line and "\n" not in line
+    assert outcome.report_error(error.value) == 65
+    assert capsys.readouterr().err == f"hvdtrain: error: {line}\n"
+
+
 def test_shards_anyone_can_write_are_not_trained_on(shard_copy):
     assert read_manifest(str(shard_copy)).train.size == 8
     (shard_copy / "train-000000.tar").chmod(0o666)

@@ -35,6 +35,11 @@ MAX_SHARD_IMAGES = 1 << 24
 MAX_SPLIT_IMAGES = 1 << 31  # the bound a URL's counts get; a local folder's are held to the shards' sizes
 MAX_CLASSES = 1_000_000   # config/checks.py's bound on model.num_classes
 MIN_RECORD_BYTES = 1024   # a record's two tar headers: an image and its .cls label
+# ... and the least a record occupies on disk: a sparse file has a size but no blocks behind it (a
+# 16 GiB shard costs nothing), so its size alone lets a manifest claim 2^31 images, and the arrays
+# sized by that count. Looser than MIN_RECORD_BYTES for file systems that compress (tar headers are
+# mostly zeros; the images are not).
+MIN_RECORD_ALLOCATED = 256
 
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
@@ -211,7 +216,9 @@ def check_shards_present(manifest: Manifest) -> None:
     """One line, before any loader starts, where shards the manifest lists are not there (a volume
     not mounted, a copy cut short); a shard that vanishes later fails the batch that reads it. Each
     shard must also be large enough for the images the manifest counts in it (a record takes at
-    least MIN_RECORD_BYTES), and writable by no one but its owner and group: a data set anyone can
+    least MIN_RECORD_BYTES, and MIN_RECORD_ALLOCATED of the blocks really allocated on disk: a
+    sparse file is large for nothing; the reader then holds each shard to the tar headers it
+    finds, read.read_records), and writable by no one but its owner and group: a data set anyone can
     change is not trained on."""
     import os
     import stat
@@ -234,9 +241,11 @@ def check_shards_present(manifest: Manifest) -> None:
                         f"prepare the shards again")
     for name, count in zip(names, counts):
         info = found[name]
-        if int(count) * MIN_RECORD_BYTES > info.st_size:
+        allocated = info.st_blocks * 512
+        if int(count) * MIN_RECORD_BYTES > info.st_size or int(count) * MIN_RECORD_ALLOCATED > allocated:
             raise damaged(join(manifest.root, MANIFEST), f"it counts {int(count)} images in {name}, a file of "
-                                                          f"{info.st_size} bytes")
+                                                          f"{info.st_size} bytes with {allocated} on disk"
+                                                          f"{' (a sparse file)' if allocated < info.st_size else ''}")
     open_to_all = [name for name in [MANIFEST, *names]
                    if (found[name] if name in found else os.stat(join(manifest.root, name))).st_mode & stat.S_IWOTH]
     if open_to_all:
