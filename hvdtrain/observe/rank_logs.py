@@ -16,10 +16,12 @@ A line per rank is fine at 2 ranks and a flood at 512. So:
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from ..ownership import PRIVATE, write_atomic
 
@@ -30,6 +32,16 @@ HOSTS_SHOWN = 16           # hosts in the start-up line's map (and about MAP_CHA
 MAP_CHARS = 300
 WARNINGS_KEPT = 50         # distinct warning messages a process counts (more are counted as one)
 WARNING_TEXT_CHARS = 300   # a warning's message is cut here (a path or a tensor's repr can be long)
+# The most of a metrics file that is read (hvdtrain report holds its records in memory): metrics.jsonl
+# takes a few hundred bytes an epoch (100,000 epochs, train.epochs' bound, in about 100 MB), the
+# per-rank part about 150 bytes a rank an epoch. A file beyond, a sparse one of any size included,
+# is refused in one line, before a byte of it is read.
+MAX_METRICS_BYTES = 256 << 20
+MAX_RANKS_BYTES = 1 << 30
+
+
+class TooLarge(ValueError):
+    """A metrics file larger than any run writes (one line)."""
 
 
 # --- the rank-to-host map ----------------------------------------------------------------------
@@ -124,7 +136,8 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 def attach_rank_detail(records: list[dict[str, Any]], run_dir: Path) -> list[dict[str, Any]]:
     """``records`` of ``run_dir``'s metrics.jsonl, each given its per-rank part from
     metrics_ranks.jsonl (matched by split, epoch and step), where that file has one."""
-    details = {(d.get("split"), d.get("epoch"), d.get("step")): d for d in read_jsonl(run_dir / RANKS_FILE)}
+    details = {(d.get("split"), d.get("epoch"), d.get("step")): d
+               for d in read_jsonl(run_dir / RANKS_FILE, MAX_RANKS_BYTES)}
     for record in records:
         detail = details.get((record.get("split"), record.get("epoch"), record.get("step")))
         if detail is not None:
@@ -132,18 +145,51 @@ def attach_rank_detail(records: list[dict[str, Any]], run_dir: Path) -> list[dic
     return records
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
+def read_jsonl(path: Path, max_bytes: int = MAX_METRICS_BYTES) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (none where it is missing); lines that are not JSON objects
+    are skipped. TooLarge past ``max_bytes``."""
     records = []
-    for line in path.read_text().splitlines():
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            records.append(value)
+    try:
+        for _, line in stream_lines(path, max_bytes):
+            try:
+                value = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8
+                continue
+            if isinstance(value, dict):
+                records.append(value)
+    except FileNotFoundError:
+        return []
     return records
+
+
+def stream_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of the regular file ``path``, read as a stream and never more than
+    ``max_bytes`` of it: a larger file (a sparse one costs nothing to make) is refused before its
+    first line is read, one that grows past the bound while it is read at that point (TooLarge).
+    FileNotFoundError where ``path`` is missing or not a regular file (a FIFO does not block:
+    O_NONBLOCK)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileNotFoundError(f"{path} is not a regular file")
+        if info.st_size > max_bytes:
+            raise TooLarge(too_large(path, info.st_size, max_bytes))
+        taken, number = 0, 0
+        while True:
+            line = handle.readline(max_bytes - taken + 1)
+            if not line:
+                return
+            taken += len(line)
+            if taken > max_bytes:
+                raise TooLarge(too_large(path, taken, max_bytes))
+            number += 1
+            yield number, line
+
+
+def too_large(path: Path, size: int, max_bytes: int) -> str:
+    return (f"{path} holds more than {max_bytes >> 20} MiB ({size} bytes), far more than a run writes there (a "
+            f"few hundred bytes an epoch): damaged, sparse or not hvdtrain's; nothing of it was read")
 
 
 # --- warnings, once per run with their count ---------------------------------------------------

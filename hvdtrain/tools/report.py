@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..data import DataError
 from ..observe.phases import LABELS, PHASES
-from ..observe.rank_logs import RANKS_FILE, attach_rank_detail, rank_ranges
+from ..observe.rank_logs import MAX_METRICS_BYTES, RANKS_FILE, TooLarge, attach_rank_detail, rank_ranges, stream_lines
 from ..ownership import own_folder, replace_file, write_atomic
 
 if TYPE_CHECKING:
@@ -28,25 +28,30 @@ if TYPE_CHECKING:
 
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir``'s metrics.jsonl, read as a stream up to MAX_METRICS_BYTES (a larger
+    file, a sparse one included, is one line), each with its per-rank part."""
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise DataError(f"'{run_dir}' has no metrics.jsonl (give the output.dir of a training run)")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise DataError(f"{path}:{number} is not a JSON line (the file is damaged)") from None
-        epoch = record.setdefault("epoch", 0) if isinstance(record, dict) else None
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise DataError(f"{path}:{number} is not a metrics record (an object with an epoch number): "
-                            f"the file is damaged or not hvdtrain's")
-        records.append(record)
-    if not records:
-        raise DataError(f"{path} is empty: the run has not finished an epoch yet")
-    return attach_rank_detail(records, run_dir)  # by_rank, every straggler (older runs: inline)
+    try:
+        for number, line in stream_lines(path, MAX_METRICS_BYTES):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8
+                raise DataError(f"{path}:{number} is not a JSON line (the file is damaged)") from None
+            epoch = record.setdefault("epoch", 0) if isinstance(record, dict) else None
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+                raise DataError(f"{path}:{number} is not a metrics record (an object with an epoch number): "
+                                f"the file is damaged or not hvdtrain's")
+            records.append(record)
+        if not records:
+            raise DataError(f"{path} is empty: the run has not finished an epoch yet")
+        return attach_rank_detail(records, run_dir)  # by_rank, every straggler (older runs: inline)
+    except FileNotFoundError:
+        raise DataError(f"'{run_dir}' has no metrics.jsonl (give the output.dir of a training run)") from None
+    except TooLarge as error:
+        raise DataError(str(error)) from None
 
 
 def numeric(record: dict[str, Any], key: str) -> float | None:

@@ -5,6 +5,7 @@ or with a record that is not one, is a summary or one line, never a traceback.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hvdtrain.cli import main
+from hvdtrain.observe import rank_logs
 from hvdtrain.ownership import UnsafePath
 from hvdtrain.tools import report
 from tests import users
@@ -78,3 +80,34 @@ def test_the_report_replaces_a_planted_link_in_ones_own_folder(tmp_path):
     (tmp_path / "run").chmod(0o777)
     with pytest.raises(UnsafePath, match="run chmod go-w"):
         report.report_folder(tmp_path / "run" / "report.png", given=False)
+
+
+def test_an_oversized_metrics_file_is_one_line_not_a_memory_error(scratch, capsys):
+    """Another user's run folder holds a 64 GiB sparse metrics.jsonl (no blocks on disk): refused before
+    a byte is read, in one line; so is an oversized metrics_ranks.jsonl beside real metrics."""
+    folder, home = scratch
+    users.as_user(users.ATTACKER, "mkdir -m 755 run && truncate -s 64G run/metrics.jsonl", cwd=folder)
+    out = home / "reports" / "report.png"
+    assert main(["report", str(folder / "run"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hvdtrain: error: {folder / 'run' / 'metrics.jsonl'} holds more than 256 MiB ({64 << 30} bytes), "
+                   f"far more than a run writes there (a few hundred bytes an epoch): damaged, sparse or not "
+                   f"hvdtrain's; nothing of it was read\n")
+    mine = home / "run"
+    metrics_without_speed(mine, 3)
+    with open(mine / "metrics_ranks.jsonl", "wb") as handle:
+        handle.truncate((1 << 30) + 1)
+    assert main(["report", str(mine), "--out", str(out)]) == 2
+    assert "metrics_ranks.jsonl holds more than 1024 MiB" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_metrics_are_read_as_a_bounded_stream(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"epoch": 0}\n' * 3)  # 39 bytes
+    assert [number for number, _ in report.stream_lines(path, 39)] == [1, 2, 3]
+    with pytest.raises(rank_logs.TooLarge):
+        next(report.stream_lines(path, 38))  # refused before the first line
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(FileNotFoundError):  # not a regular file; the open does not block
+        next(report.stream_lines(tmp_path / "fifo", 39))
