@@ -219,6 +219,7 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(moment, tmp_path):
     ("horovodrun-gloo", signal.SIGTERM, (0, 1)),
     ("mpirun", signal.SIGUSR1, (1,)),
 ], ids=["sigterm-all-ranks-horovodrun", "sigusr1-one-rank-mpirun"])
+@pytest.mark.timing  # a stop within 20 s: about 2 s here, the next step and a checkpoint
 def test_preemption_checkpoints_and_resume_finishes_exactly(kind, signum, targets, request, tiny_data, tmp_path):
     expected = request.getfixturevalue("straight" if kind == "horovodrun-gloo" else "straight_mpi")[1]
     run_dir = tmp_path / "run"
@@ -280,6 +281,7 @@ def test_resume_with_a_different_number_of_ranks(tiny_data, tmp_path):
     ("horovodrun-gloo", signal.SIGSTOP), ("mpirun", signal.SIGSTOP),
 ], ids=["kill-horovodrun", "kill-mpirun", "hang-horovodrun", "hang-mpirun"])
 @pytest.mark.slow
+@pytest.mark.timing  # within 60 s: the watchdog's 10 s and the launcher's teardown
 def test_a_dead_or_hung_rank_stops_the_job_within_60_seconds(kind, signum, tiny_data, tmp_path):
     # The watchdog's timeout is the subject of the hang cases: 10 s, short but above any step or
     # checkpoint of this run on a loaded 2-core machine (the watchdog counts a save as progress).

@@ -118,6 +118,7 @@ def test_timeline_of_a_step_range_is_chrome_trace_json(tiny_data, tmp_path):
     assert any(event.get("name") == "CYCLE_START" for event in events)  # cycle marks are on
 
 
+@pytest.mark.timing  # shut down before the 60 s rank 1 sleeps: 5 s here
 def test_stall_inspector_warns_then_shuts_the_job_down(tmp_path):
     """Rank 1 is 60 s late to an allreduce: Horovod's stall inspector, set by hvdtrain to warn
     after 2 s and stop after 5 s, names the tensor and the missing rank and ends the job.
@@ -134,6 +135,7 @@ def test_stall_inspector_warns_then_shuts_the_job_down(tmp_path):
     assert "done" not in result.stdout
 
 
+@pytest.mark.timing  # shut down before the 60 s rank 1 sleeps: 5 s here
 def test_the_users_exported_stall_inspector_settings_win_over_the_configs(tmp_path):
     """horovodrun --stall-check-warning-time-seconds 2 --stall-check-shutdown-time-seconds 5 exports
     these variables; the config's 60 s warning and no shutdown (hvdtrain's defaults) used to replace
@@ -152,6 +154,7 @@ def test_the_users_exported_stall_inspector_settings_win_over_the_configs(tmp_pa
             "dist.stall_shutdown_seconds=0 would set it") in output, output[-3000:]
 
 
+@pytest.mark.timing  # a spinning wait costs about 1.0 x the wall time; a sleeping one under 0.01
 @pytest.mark.parametrize("kind", ["horovodrun-gloo", "mpirun"])
 def test_waiting_for_a_late_rank_costs_the_training_thread_no_cpu(kind, tmp_path):
     """Horovod 0.28.1's synchronize() spun on sched_yield while it waited (a core burned per rank,
@@ -165,6 +168,7 @@ def test_waiting_for_a_late_rank_costs_the_training_thread_no_cpu(kind, tmp_path
     assert cpu < 0.1 * wall, f"rank 0's training thread used {cpu:.3f} s of CPU in a {wall:.3f} s wait"
 
 
+@pytest.mark.timing  # the two settings differ by the cycle: about 0.5 s against a few ms
 @pytest.mark.parametrize("wake", ["default", "0"])
 def test_a_tensor_starts_its_cycle_when_it_arrives_under_gloo(wake, tmp_path):
     """With a 1 s cycle, a tensor that every rank submits at once waits for the next cycle: about
