@@ -28,13 +28,16 @@ __version__ = "0.1.0"
 
 def _module_run(argv: list[str]) -> str | None:
     """The module a command line runs with ``-m`` (``python -u -m hvdtrain ...`` -> hvdtrain), or None."""
-    for index, word in enumerate(argv[1:], start=1):
+    index = 1
+    while index < len(argv):
+        word = argv[index]
         if word == "-m":
             return argv[index + 1] if index + 1 < len(argv) else None
         if word.startswith("-m"):
             return word[2:]
-        if not word.startswith("-") or word == "-":
-            return None  # a script, or '-' (stdin): no -m
+        if not word.startswith("-") or word in ("-", "-c") or word.startswith("-c"):
+            return None  # a script, '-' (stdin) or -c: no -m
+        index += 2 if word in ("-W", "-X") else 1  # the options that take a value as the next word
     return None
 
 

@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, on one machine, into OUT (default ./gpu-results):
 # ResNet-50 AMP channels_last images/s of a raw PyTorch loop and of `hvdtrain bench` (with and
 # without phase timing), side by side; and GPU utilization (nvidia-smi, every 0.5 s) during a real
-# synthetic-data epoch of `python -m hvdtrain`. Run benchmarks/gpu/setup_device.sh first.
+# synthetic-data epoch of `python -P -m hvdtrain`. Run benchmarks/gpu/setup_device.sh first.
 set -uo pipefail
 out=${1:-gpu-results}; mkdir -p "$out"
 py=${PYTHON:-python3}; bin=$(dirname "$(command -v "$py")")
@@ -12,10 +12,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv
 for round in $(seq 1 "${ROUNDS:-2}"); do
     "$py" benchmarks/torch_loop.py --arch resnet50 --batch-size "$batch" --image-size 224 --amp --channels-last \
         --warmup-steps "$warmup" --steps $((steps * 3)) --json "$out/raw-$round.json" 2>&1 | tail -1
-    "$bin/horovodrun" -np 1 -H localhost:1 "$py" -m hvdtrain bench model.arch=resnet50 train.batch_size="$batch" \
+    "$bin/horovodrun" -np 1 -H localhost:1 "$py" -P -m hvdtrain bench model.arch=resnet50 train.batch_size="$batch" \
         amp.enabled=true data.image_size=224 --warmup-steps "$warmup" --steps "$steps" --repeats 3 \
         --json "$out/hvdtrain-$round.json" 2>&1 | grep -E "bench: (total|rank)|phases" | sed 's/^\[[0-9,]*\]<stdout>://'
-    "$bin/horovodrun" -np 1 -H localhost:1 "$py" -m hvdtrain bench model.arch=resnet50 train.batch_size="$batch" \
+    "$bin/horovodrun" -np 1 -H localhost:1 "$py" -P -m hvdtrain bench model.arch=resnet50 train.batch_size="$batch" \
         amp.enabled=true data.image_size=224 runtime.phase_timing=false --warmup-steps "$warmup" --steps "$steps" \
         --repeats 3 --json "$out/hvdtrain-nophases-$round.json" 2>&1 | grep -E "bench: total" | sed 's/^\[[0-9,]*\]<stdout>://;s/$/ (phase_timing=false)/'
 done
@@ -23,7 +23,7 @@ done
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv,noheader,nounits -lms 500 \
     >"$out/epoch-nvidia-smi.csv" &
 smi=$!
-"$bin/horovodrun" -np 1 -H localhost:1 "$py" -m hvdtrain model.arch=resnet50 train.batch_size="$batch" amp.enabled=true \
+"$bin/horovodrun" -np 1 -H localhost:1 "$py" -P -m hvdtrain model.arch=resnet50 train.batch_size="$batch" amp.enabled=true \
     data.synthetic=true data.synthetic_samples=${EPOCH_SAMPLES:-102400} train.epochs=1 checkpoint.resume=never \
     output.dir="$out/epoch-run" output.progress=false 2>&1 | sed 's/^\[[0-9,]*\]<stdout>://' | grep -vi warn | tail -6
 kill $smi

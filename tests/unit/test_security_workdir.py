@@ -80,3 +80,14 @@ def test_no_module_in_the_working_folder_is_imported(planted, python_options):
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected.stdout and "epochs: 77" not in result.stdout
     assert marker.read_text() == ""  # neither ./evil.py, ./yaml.py, ./typing_extensions.py nor ./hvdtrain/
+
+
+def test_the_module_run_is_found_past_interpreter_options():
+    from hvdtrain import _module_run
+
+    assert _module_run(["python", "-u", "-m", "hvdtrain", "--config", "debug"]) == "hvdtrain"  # torchrun's ranks
+    assert _module_run(["python", "-B", "-mhvdtrain"]) == "hvdtrain"
+    assert _module_run(["python", "-W", "ignore", "-X", "importtime", "-m", "hvdtrain"]) == "hvdtrain"
+    assert _module_run(["python", "my_train.py", "-m", "hvdtrain"]) is None  # a script of the user's
+    assert _module_run(["python", "-c", "import hvdtrain"]) is None
+    assert _module_run(["python", "-m", "pytest"]) == "pytest"
