@@ -27,6 +27,7 @@ def check_core(cfg: Config) -> None:
         "train.steps_per_epoch": cfg.train.steps_per_epoch,
         "train.global_batch_size": cfg.train.global_batch_size,
         "optim.lr": cfg.optim.lr,
+        "optim.lr_per_rank": cfg.optim.lr_per_rank,
         "data.workers": cfg.data.workers,
         "data.val_resize": cfg.data.val_resize,
         "runtime.threads": cfg.runtime.threads,
@@ -52,6 +53,9 @@ def check_core(cfg: Config) -> None:
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
     check_upper_bounds(cfg)
+    if cfg.optim.lr and cfg.optim.lr_per_rank:
+        raise ConfigError(f"optim.lr={cfg.optim.lr:g} and optim.lr_per_rank={cfg.optim.lr_per_rank:g} both set the "
+                          "rate: set one of the two")
     if cfg.dist.bucket_mb < 0 and cfg.dist.bucket_mb != -1:
         raise ConfigError(f"config key 'dist.bucket_mb' must be >= 0 (MB), or -1 for auto, got {cfg.dist.bucket_mb}")
     # Gradient groups and what rules them out. Horovod's grouped DistributedOptimizer broadcasts the

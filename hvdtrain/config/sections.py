@@ -241,6 +241,10 @@ class OptimConfig:
     """The peak learning rate as it is, not scaled by the global batch (what a DDP script passes as lr=); 0 =
     optim.base_lr scaled linearly by the global batch. With it set, a warm-up starts from zero unless optim.warmup_start
     or optim.warmup_start_lr say otherwise."""
+    lr_per_rank: float = 0.0
+    """Horovod's example's --base-lr: the rate for one rank's batch (train.batch_size), scaled by the ranks and
+    train.backward_passes_per_step as optim.base_lr is (not by the ranks under dist.op=adasum); a warm-up starts from
+    it; 0 = optim.base_lr (per 256 images). The start-up line gives the rate in both units."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (validation loss is plain cross-entropy)."""
     loss: Literal["cross_entropy", "bce"] = "cross_entropy"

@@ -44,14 +44,24 @@ class LRSchedule:
     step_gamma: float = 0.1
 
     @classmethod
-    def from_config(cls, optim: OptimConfig, global_batch: int, epochs: int, steps_per_epoch: int) -> "LRSchedule":
-        # optim.lr is a rate as it is (a DDP script's lr=); else the per-256 rate scaled linearly.
-        peak = optim.lr if optim.lr > 0 else scaled_lr(optim.base_lr, global_batch)
+    def from_config(cls, optim: OptimConfig, global_batch: int, epochs: int, steps_per_epoch: int,
+                    rank_batch: int = 0, passes: int = 1) -> "LRSchedule":
+        # optim.lr is a rate as it is (a DDP script's lr=); else the per-256 rate scaled linearly, or
+        # the rate of one rank's batch (``rank_batch`` per backward pass, ``passes`` a step: Horovod's
+        # example's --base-lr) scaled alike.
+        reference = optim.base_lr
+        if optim.lr_per_rank > 0:
+            if rank_batch <= 0:
+                raise ValueError("optim.lr_per_rank needs the batch of one rank")
+            reference = optim.lr_per_rank * REFERENCE_BATCH / rank_batch  # the same rate per 256 images
+        peak = optim.lr if optim.lr > 0 else scaled_lr(reference, global_batch)
         # Goyal et al. warm up from the reference rate (for 256 images) to k times it; below a global
-        # batch of 256 there is nothing to warm up to, so the start never exceeds the peak.
+        # batch of 256 there is nothing to warm up to, so the start never exceeds the peak. Horovod's
+        # example warms up from one rank's rate (optim.lr_per_rank x its passes).
         # optim.warmup_start >= 0 starts from that fraction of the peak instead (0: from zero).
         # optim.warmup_start_lr >= 0 is an absolute start (timm's warmup_lr).
-        start = min(optim.base_lr, peak) if optim.warmup_start < 0 else optim.warmup_start * peak
+        first = optim.lr_per_rank * passes if optim.lr_per_rank > 0 else optim.base_lr
+        start = min(first, peak) if optim.warmup_start < 0 else optim.warmup_start * peak
         if optim.lr > 0 and optim.warmup_start < 0:
             start = 0.0  # an absolute rate has no reference rate to warm up from
         if optim.warmup_start_lr >= 0:

@@ -160,7 +160,9 @@ def reconfigure(run: Run) -> int:
     if cfg.train.steps_per_epoch:
         steps = min(steps, cfg.train.steps_per_epoch)
     run.steps_per_epoch = steps
-    run.settings.lr_schedule = LRSchedule.from_config(cfg.optim, run.global_batch, cfg.train.epochs, steps)
+    run.settings.lr_schedule = LRSchedule.from_config(cfg.optim, run.global_batch, cfg.train.epochs, steps,
+                                                      rank_batch=cfg.train.batch_size,
+                                                      passes=cfg.train.backward_passes_per_step)
     log(f"hvdtrain: elastic: {size} rank(s) on {dist.cross_size()} host(s); global batch {run.global_batch}, "
         f"{steps} steps/epoch, peak lr {run.settings.lr_schedule.peak_lr:.4g}")
     return steps

@@ -138,7 +138,8 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         model = build_model(cfg, task, device, dtype)
         rate_batch = lr_batch(cfg.dist.op, global_batch, dist.size(), dist.local_size(),
                               device.type == "cuda" and dist.built()["nccl"])
-        schedule = LRSchedule.from_config(cfg.optim, rate_batch, cfg.train.epochs, steps_per_epoch)
+        schedule = LRSchedule.from_config(cfg.optim, rate_batch, cfg.train.epochs, steps_per_epoch,
+                                          rank_batch=cfg.train.batch_size, passes=cfg.train.backward_passes_per_step)
         amp_dtype, scaler = build_scaler(cfg, device)
         state = RunState(model, build_optimizer(cfg, model, schedule, device, task), scaler)
         for name, component in task.state_components().items():  # e.g. the shard loader's position, an id mapping
@@ -186,8 +187,7 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
         log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks "
             f"x {passes} passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g}"
-            + (f" (Adasum: for {rate_batch} images, not scaled by the {world_size} ranks)"
-               if rate_batch != global_batch and not cfg.optim.lr else "")
+            + rate_note(cfg, rate_batch, global_batch, world_size)
             + f" over {cfg.optim.warmup_epochs:g} "
             f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch"
             f"{'' if cfg.elastic.enabled else last_batch_note(cfg, loaders, world_size)}; "
@@ -198,6 +198,24 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         add_recipe_state(run)
         undo.pop_all()  # the run owns them now (release)
         return run
+
+
+def rate_note(cfg: Config, rate_batch: int, global_batch: int, world_size: int) -> str:
+    """The start-up line's words on the rate's unit: optim.base_lr's (per 256 images) and Horovod's
+    example's (optim.lr_per_rank: one rank's batch), each with the other's value; Adasum's rule.
+    Nothing for optim.lr, a rate as it is."""
+    optim, rank_batch = cfg.optim, cfg.train.batch_size
+    if optim.lr > 0:
+        return ""
+    if optim.lr_per_rank > 0:
+        note = (f"optim.lr_per_rank {optim.lr_per_rank:.4g} for one rank's {rank_batch} images = "
+                f"{optim.lr_per_rank * 256 / rank_batch:.4g} per 256")
+    else:
+        note = (f"optim.base_lr {optim.base_lr:.4g} per 256 images = {optim.base_lr * rank_batch / 256:.4g} for one "
+                f"rank's {rank_batch}")
+    if rate_batch != global_batch:
+        note += f"; Adasum: for {rate_batch} images, not scaled by the {world_size} ranks"
+    return f" ({note})"
 
 
 def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> str:

@@ -148,3 +148,55 @@ def test_bad_step_settings_get_one_line(overrides, words):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def horovod_example_lr(epoch: int, batch_idx: int, base_lr: float, size: int, batches_per_allreduce: int,
+                       steps: int, warmup_epochs: float = 5) -> float:
+    """Horovod's examples/pytorch/pytorch_imagenet_resnet50.py, adjust_learning_rate (its --base-lr is
+    the rate for one GPU's batch), re-implemented from the example's source."""
+    if epoch < warmup_epochs:
+        epoch += float(batch_idx + 1) / steps
+        lr_adj = 1. / size * (epoch * (size - 1) / warmup_epochs + 1)
+    elif epoch < 30:
+        lr_adj = 1.
+    elif epoch < 60:
+        lr_adj = 1e-1
+    elif epoch < 80:
+        lr_adj = 1e-2
+    else:
+        lr_adj = 1e-3
+    return base_lr * size * batches_per_allreduce * lr_adj
+
+
+@pytest.mark.parametrize("size, passes", [(8, 1), (4, 2)])
+def test_lr_per_rank_is_horovods_example_base_lr(size, passes):
+    """optim.lr_per_rank=0.0125 at 32 images per rank: the example's --base-lr 0.0125, the same rates
+    as optim.base_lr=0.1 per 256 images after the warm-up, warmed up from the one-rank rate."""
+    steps = 40
+    optim = OptimConfig(lr_per_rank=0.0125, warmup_epochs=5, schedule="step", step_milestones="30,60,80")
+    sched = LRSchedule.from_config(optim, 32 * size * passes, 90, steps, rank_batch=32, passes=passes)
+    per_256 = LRSchedule.from_config(OptimConfig(base_lr=0.1, warmup_epochs=5, schedule="step",
+                                                 step_milestones="30,60,80"), 32 * size * passes, 90, steps)
+    assert sched.peak_lr == pytest.approx(0.0125 * size * passes) == pytest.approx(per_256.peak_lr)
+    assert sched.start_lr == pytest.approx(0.0125 * passes)
+    for epoch in (5, 29, 30, 59, 60, 80, 89):
+        for batch in (0, steps - 1):
+            assert lr_at(epoch * steps + batch, sched) == pytest.approx(
+                horovod_example_lr(epoch, batch, 0.0125, size, passes, steps)), (epoch, batch)
+    # In the warm-up the example sets the rate for the position after the step, hvdtrain before it: one step apart.
+    for step in range(0, 5 * steps, 7):
+        assert lr_at(step + 1, sched) == pytest.approx(
+            horovod_example_lr(step // steps, step % steps, 0.0125, size, passes, steps)), step
+
+
+def test_the_start_up_line_gives_the_rate_in_both_units():
+    from hvdtrain.config import ConfigError
+    from hvdtrain.job_config import load_config
+    from hvdtrain.train.run import rate_note
+
+    assert rate_note(load_config("debug"), 16, 16, 2) == " (optim.base_lr 0.4 per 256 images = 0.0125 for one rank's 8)"
+    per_rank = load_config("debug", ["optim.lr_per_rank=0.0125"])
+    assert rate_note(per_rank, 16, 16, 2) == " (optim.lr_per_rank 0.0125 for one rank's 8 images = 0.4 per 256)"
+    assert rate_note(load_config("debug", ["optim.lr=0.05"]), 16, 16, 2) == ""  # a rate as it is
+    with pytest.raises(ConfigError, match=r"^optim.lr=0.05 and optim.lr_per_rank=0.0125 both set the rate: set one"):
+        load_config("debug", ["optim.lr=0.05", "optim.lr_per_rank=0.0125"])
