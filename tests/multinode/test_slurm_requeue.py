@@ -45,9 +45,11 @@ def job_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def submit(cluster, script: str, args: list[str], tmp_path: Path, options: list[str] = ()) -> str:
+def submit(cluster, script: str, args: list[str], tmp_path: Path, options: list[str] = (),
+           env: dict[str, str] | None = None) -> str:
     result = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'slurm-%j.out'}", *ONE_NODE, *options,
-                             str(SLURM / script), *args], cwd=tmp_path, env={**job_env(tmp_path), **cluster.env()},
+                             str(SLURM / script), *args], cwd=tmp_path,
+                            env={**job_env(tmp_path), **(env or {}), **cluster.env()},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().split(";")[0]
@@ -214,15 +216,18 @@ def test_a_stop_in_the_first_seconds_requeues_and_a_job_that_cannot_progress_is_
 
 @pytest.mark.parametrize("script", ["train.sbatch", "train-horovodrun.sbatch"])
 def test_bad_input_is_recorded_with_hvdtrains_own_exit_code(script, slurm_cluster, tmp_path):
-    """A missing data folder (srun), a package hidden by a file of the user's in the folder the job
-    runs in (horovodrun): one line, Slurm's exit code 2."""
+    """A missing data folder (srun), a package hidden by a file of the user's on PYTHONPATH
+    (horovodrun): one line, Slurm's exit code 2."""
+    env = {}
     if script == "train.sbatch":
         args, said = ["--config", "debug", f"data.dir={tmp_path / 'missing'}"], "missing"
     else:
-        (tmp_path / "tqdm.py").write_text("")  # hides the installed tqdm: python -m puts the job's folder first
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "tqdm.py").write_text("")  # hides the installed tqdm (the job's own folder is
+        env = {"PYTHONPATH": f"{tmp_path / 'mine'}:{REPO}"}  # never on the path: python -P)
         args = ["--config", "debug", "data.synthetic=true"]
-        said = f"module 'tqdm' is shadowed by {tmp_path / 'tqdm.py'}"
-    job = submit(slurm_cluster, script, args + [f"output.dir={tmp_path / 'run'}"], tmp_path)
+        said = f"module 'tqdm' is shadowed by {tmp_path / 'mine' / 'tqdm.py'}"
+    job = submit(slurm_cluster, script, args + [f"output.dir={tmp_path / 'run'}"], tmp_path, env=env)
     fields = wait_for_end(slurm_cluster, job, timeout=300)
     text = (tmp_path / f"slurm-{job}.out").read_text()
     # Not 143 (the other rank killed by srun --kill-on-bad-exit), not horovodrun's 1; never requeued.
