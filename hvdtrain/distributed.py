@@ -17,8 +17,9 @@ and starts under ``horovodrun`` or ``hvdtrain launch`` (its exit code is the ran
   and, on more than one rank, a second later (``STOP_GRACE_SECONDS``: the peers get their signals).
 - ``get_rank``, ``get_world_size``, ``get_node_local_rank``, ``is_initialized``, ``barrier``,
   ``all_reduce``/``broadcast``/``all_gather`` (in place, as torch's; ``ReduceOp.SUM``, ``AVG``,
-  ``MIN``, ``MAX``, ``PRODUCT``), ``all_gather_object``, ``broadcast_object_list``,
-  ``destroy_process_group``.
+  ``MIN``, ``MAX``, ``PRODUCT``), ``all_gather_object``, ``broadcast_object_list`` (of JSON values,
+  tuples, sets, bytes, tensors and numpy arrays: never pickled, so a peer cannot send code; another
+  object is a TypeError naming its type), ``destroy_process_group``.
 - ``DistributedDataParallel(module)``: rank 0's parameters and buffers on every rank at once, the
   gradients averaged over the ranks during backward (each sent as soon as it is ready, Horovod's
   tensor fusion grouping them), finished when backward returns, so the optimizer is yours, untouched.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from typing import Any, Iterable
 
@@ -20,6 +21,7 @@ from ..config import ConfigError
 from . import launcher_env as launcher
 from .buckets import gradient_buckets
 from .horovod_env import GLOO_RENDEZVOUS, apply_env_defaults, apply_stall_inspector, check_elastic_env
+from .objects import broadcast_object
 
 Compression = hvd.Compression
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ElasticStateBase"]
@@ -237,14 +239,15 @@ def broadcast_state(state: Any, root_rank: int = 0) -> None:
 
     ``state`` has ``state_dict(exclude=...)`` / ``load_state_dict(d, exclude=...)`` and a ``model``
     (state.RunState): the model's tensors go by Horovod's tensor broadcast, in place; everything
-    else (optimizer, GradScaler, position, registered components) as one object.
+    else (optimizer, GradScaler, position, registered components) as one object (comm/objects.py:
+    never Horovod's ``broadcast_object``, which unpickles what the root sends).
 
     The optimizer state is never sent with Horovod's ``broadcast_optimizer_state``: that initializes
     an empty state with a zero-gradient ``step()``, which applies weight decay to the parameters.
     """
     hvd.broadcast_parameters(state.model.state_dict(), root_rank=root_rank)
     rest = state.state_dict(exclude=("model",)) if rank() == root_rank else None
-    rest = hvd.broadcast_object(rest, root_rank=root_rank, name="hvdtrain.train.state")
+    rest = broadcast_object(rest, sys.modules[__name__], root_rank=root_rank, name="hvdtrain.train.state")
     if rank() != root_rank:
         state.load_state_dict(rest, exclude=("model",))
 

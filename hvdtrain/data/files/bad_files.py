@@ -56,7 +56,7 @@ class BadFile(str):
         return record
 
     def __reduce__(self):
-        return BadFile, (self.path, self.reason, self.detail, self.own, self.row_end, self.shard)
+        return BadFile, fields(self)
 
 
 def os_error_reason(error: OSError) -> str:
@@ -160,7 +160,15 @@ def combine(tally: EpochTally, allreduce_sum: Callable[[torch.Tensor], torch.Ten
     totals = allreduce_sum(tally.vector())
     if float(totals[:4].sum()) == 0:
         return Summary(files_read=int(totals[4]))
-    return summarize(allgather((tally.files_read, list(tally.own.values()), tally.row_end)))
+    gathered = allgather((tally.files_read, [fields(record) for record in tally.own.values()],
+                          None if tally.row_end is None else fields(tally.row_end)))
+    return summarize([(files, [BadFile(*record) for record in records], None if end is None else BadFile(*end))
+                      for files, records, end in gathered])
+
+
+def fields(record: BadFile) -> tuple:
+    """A record as plain values, the form it travels in between ranks (comm/wire.py)."""
+    return (record.path, record.reason, record.detail, record.own, record.row_end, record.shard)
 
 
 def allowed_failures(max_fraction: float, epoch_files: int) -> int:
