@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ def job_env(tmp_path: Path) -> dict[str, str]:
         # Cross-memory attach is often forbidden in containers; shared memory copies still work.
         "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
         "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        # dist.engine=torch: the job's secret (comm/job_store.py), one per job, as a job script exports it.
+        "HVDTRAIN_JOB_SECRET": secrets.token_hex(32),
     })
     return env
 

@@ -3,9 +3,11 @@
 Where the job's place comes from: torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; under
 srun or mpirun (one process per rank) the launcher's rank and size (comm/launcher_env.py) with
 MASTER_ADDR and MASTER_PORT exported by the job script; a single process without any launcher
-needs nothing (an in-memory store). Gloo on CPU, NCCL on GPU. Collectives are matched by the order
-ranks start them (Horovod matches names): every rank must start the same ones in the same order,
-which the training loop does already, since Horovod's names are issued in the same order too.
+needs nothing (an in-memory store). The ranks meet in comm/job_store.py's store: bound to
+MASTER_ADDR's address, open only to processes that prove HVDTRAIN_JOB_SECRET, its values signed.
+Gloo on CPU, NCCL on GPU. Collectives are matched by the order ranks start them (Horovod matches
+names): every rank must start the same ones in the same order, which the training loop does
+already, since Horovod's names are issued in the same order too.
 On GPU the group has two backends: NCCL for CUDA tensors, Gloo for CPU ones (metric sums, objects).
 The distributed optimizer is comm/torch_optimizer.py's.
 """
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import ConfigError
+from . import job_store
 from . import launcher_env as launcher
 from .objects import allgather_object, broadcast_object
 from .torch_optimizer import GradientAverager
@@ -41,7 +44,7 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
     gpu = torch.cuda.is_available() if gpu is None else gpu
     rank, world_size = launcher.rank(), launcher.size()  # torchrun's, else srun's or mpirun's
     timeout = datetime.timedelta(seconds=max(30, timeout_seconds))
-    # On GPU, CUDA tensors (gradients) go by NCCL and CPU tensors (metric sums, pickled objects, the
+    # On GPU, CUDA tensors (gradients) go by NCCL and CPU tensors (metric sums, encoded objects, the
     # stop agreement) by Gloo, as Horovod sends CPU tensors by its CPU operations.
     backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
     if gpu:  # NCCL's communicator takes the current device: this rank's, as the trainer pins it
@@ -53,8 +56,9 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
         if missing:
             raise ConfigError(f"dist.engine=torch needs {' and '.join(missing)} (rank 0's host and a free port): "
                               "launch with torchrun, or export them in the job script for srun or mpirun "
-                              "(e.g. MASTER_ADDR=$(hostname) MASTER_PORT=29500 on the first host)")
-        tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+                              "(e.g. MASTER_ADDR=$(hostname) and a free port as MASTER_PORT, one per job)")
+        store = job_store.join(rank, world_size, timeout)  # bound to MASTER_ADDR, ranks proven, values signed
+        tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     count_hosts()
 
 
