@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -67,7 +68,8 @@ def run_once(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "result.json"
         argv = command(name, args, result)
-        done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+        job_env = {**env, "HVDTRAIN_JOB_SECRET": secrets.token_hex(32)}  # the torch engine's, one per job
+        done = subprocess.run(argv, env=job_env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0 or not result.exists():
             raise SystemExit(f"compare_engines: '{' '.join(argv)}' failed (exit {done.returncode}):\n"
                              f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
