@@ -21,6 +21,19 @@ NOTICES = {
 }
 
 
+def wait_until(condition, timeout: float = 30) -> None:
+    """Wait for ``condition()`` (an event: polls seen by the server, a notice taken), the timeout
+    only a guard."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
+
+
+def polls(server) -> int:
+    return sum(request[0] == "GET" for request in list(server.requests))
+
+
 @pytest.mark.parametrize("cloud", ["aws", "azure", "gcp"])
 def test_the_watcher_reports_each_clouds_notice_once(cloud):
     with metadata_server(cloud) as server:
@@ -28,17 +41,15 @@ def test_the_watcher_reports_each_clouds_notice_once(cloud):
         watcher = NoticeWatcher(cloud, server.url, 0.05, notices.append, said.append)
         assert watcher.poll_once() is None and watcher.poll_once() is None  # no notice yet, not an error
         watcher.start()
-        time.sleep(0.3)
+        wait_until(lambda: polls(server) >= 5)  # three polls of the watcher's own, each without a notice
         assert notices == [] and watcher.failures == 0
         server.notice.set()
-        deadline = time.monotonic() + 5
-        while not notices and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.2)
+        wait_until(lambda: notices)
+        watcher._thread.join(30)  # a notice ends the polling: the thread returns by itself, unstopped
+        assert not watcher._thread.is_alive()
         watcher.stop()
         assert notices == [NOTICES[cloud]]  # once, although the endpoint keeps saying so
         assert said == [f"hvdtrain: watching for {cloud} preemption notices at {server.url} every 0.05 s"]
-        assert not watcher._thread.is_alive()
         requests = list(server.requests)
     if cloud == "aws":
         # IMDSv2: one token (PUT with a TTL), then every GET carries it.
@@ -78,7 +89,7 @@ def test_an_unreachable_endpoint_is_said_once_and_never_blocks(cloud):
     url = f"http://127.0.0.1:{free_port()}"
     said = []
     watcher = NoticeWatcher(cloud, url, 0.05, lambda line: None, said.append, timeout=0.5).start()
-    time.sleep(0.5)
+    wait_until(lambda: watcher.failures >= 3)
     start = time.monotonic()
     watcher.stop()
     assert time.monotonic() - start < 2.0
@@ -100,9 +111,7 @@ def test_a_notice_becomes_the_same_stop_request_as_a_signal():
         stop = StopRequest("gcp", server.url, 0.05)
         server.notice.set()
         with stop.installed():
-            deadline = time.monotonic() + 5
-            while stop.received is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: stop.received is not None)
         assert stop.reason() == NOTICES["gcp"]
 
 
