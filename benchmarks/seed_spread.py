@@ -9,7 +9,7 @@ instruction-set caps as a third axis (``avx2`` runs AVX-512 hardware with AVX2 k
     python benchmarks/seed_spread.py                         # make demo's recipe: seeds 0,1,2 x threads 1,2
     python benchmarks/seed_spread.py --config small_images   # scikit-learn's digits (needs the test extra)
     python benchmarks/seed_spread.py --seeds 0,1,2,3 --threads 1,2 --isa default,avx2 -- optim.base_lr=0.2
-    python benchmarks/seed_spread.py --seeds 0 --threads 1 --min 0 -- train.epochs=2   # the warm-up alone (tests)
+    python benchmarks/seed_spread.py --seeds 0 --threads 1 --min 30 -- train.epochs=2  # the warm-up alone (tests)
 
 A shorter run (``-- train.epochs=2``) trains the same first epochs: the warm-up is a function of
 the epoch alone and the cosine starts after it, so the epochs it runs are the full run's, bit for bit;

@@ -25,9 +25,10 @@ from tests.helpers import BIN, REPO, job_env
 
 @pytest.mark.slow
 def test_the_demo_recipe_warms_up_tamely_and_the_spread_benchmark_runs(tmp_path):
-    # --min 0: after 2 epochs the accuracy is not the target's (the full run's 8 epochs are).
+    # --min 30: after 2 epochs the accuracy is not the full run's 90% target, but it is well above
+    # the 10% of chance (67.5% measured for seed 0, one thread): a recipe that does not learn fails.
     result = subprocess.run([str(BIN / "python"), str(REPO / "benchmarks" / "seed_spread.py"), "--seeds", "0",
-                             "--threads", "1", "--min", "0", "--work", str(tmp_path / "work"), "--",
+                             "--threads", "1", "--min", "30", "--work", str(tmp_path / "work"), "--",
                              "train.epochs=2"],
                             cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=900)
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -36,5 +37,5 @@ def test_the_demo_recipe_warms_up_tamely_and_the_spread_benchmark_runs(tmp_path)
     assert report["overrides"] == ["train.epochs=2"]
     assert (run["epochs"], run["steps"], run["samples"]) == (2, 30, 1920), run  # 15 steps of 2 x 32 per epoch
     assert len(run["val_losses"]) == 2 and max(run["val_losses"]) < 10, run  # no blow-up in the warm-up
-    assert run["first_val_loss"] == run["val_losses"][0] and 0 <= run["final"] <= 100, run
-    assert result.returncode == 0 and "targets: every run >= 0, spread <= 5: met" in result.stdout, result.stdout
+    assert run["first_val_loss"] == run["val_losses"][0] and 30 <= run["final"] <= 100, run
+    assert result.returncode == 0 and "targets: every run >= 30, spread <= 5: met" in result.stdout, result.stdout
