@@ -22,7 +22,9 @@ def test_cpu_defaults_fill_only_unset_variables(monkeypatch):
     assert effective == {"HOROVOD_CYCLE_TIME": "3", "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
-def test_the_gloo_controller_on_cpu_starts_cycles_when_tensors_arrive(monkeypatch):
+def test_the_gloo_controller_on_cpu_asks_for_the_wake_on_enqueue_unless_exported(monkeypatch):
+    """The setting alone; that a tensor then starts its cycle when it arrives is measured in a launched
+    job: tests/parallel/test_observability.py::test_a_tensor_starts_its_cycle_when_it_arrives_under_gloo."""
     monkeypatch.delenv("HOROVOD_CYCLE_WAKE_ON_ENQUEUE", raising=False)
     monkeypatch.delenv(horovod_env.GLOO_RENDEZVOUS, raising=False)
     assert "HOROVOD_CYCLE_WAKE_ON_ENQUEUE" not in horovod_env.apply_env_defaults(gpu=False)   # MPI controller
