@@ -158,6 +158,33 @@ class WorkerSummaries:
         node.config.__dict__.setdefault("_shared_ranks_summary", []).extend(f"{worker}: {line}" for line in lines)
 
 
+TIERS = ("launched", "multinode", "slurm", "ray", "slow", "timing")
+_seconds: dict[str, dict[str, float]] = {"folder": {}, "tier": {}}
+
+
+def pytest_runtest_logreport(report):
+    """Add each test's set-up, call and tear-down seconds to its folder and its tiers (in the
+    pytest-xdist controller too, which receives every worker's reports)."""
+    parts = report.nodeid.split("::")[0].split("/")
+    folder = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+    _seconds["folder"][folder] = _seconds["folder"].get(folder, 0.0) + report.duration
+    for tier in TIERS:
+        if tier in report.keywords:
+            _seconds["tier"][tier] = _seconds["tier"].get(tier, 0.0) + report.duration
+
+
+def seconds_lines() -> list[str]:
+    """Where the suite's time went: test seconds per folder and per tier (summed over the workers, so
+    more than the wall time when two ran at once; a test counts in each of its tiers)."""
+    def line(kind: str) -> str:
+        found = sorted(_seconds[kind].items(), key=lambda item: -item[1])
+        return f"seconds per {kind}: " + ", ".join(f"{name} {seconds:,.0f}" for name, seconds in found)
+    return [line(kind) for kind in ("folder", "tier") if _seconds[kind]]
+
+
 def pytest_terminal_summary(terminalreporter, config):
     for line in getattr(config, "_shared_ranks_summary", []):
         terminalreporter.write_line(line)
+    if not hasattr(config, "workerinput"):
+        for line in seconds_lines():
+            terminalreporter.write_line(line)
