@@ -318,7 +318,7 @@ def validate_recipes(cfg: Config) -> None:
 
 
 def validate_published_recipes(cfg: Config) -> None:
-    """The keys that published recipes need (issue 37): warm-up start and stepping, weight-decay
+    """The keys that published recipes need: warm-up start and stepping, weight-decay
     exemption, BCE, LARS/LAMB details, timm's RandAugment, validation crop and cadence."""
     optim, augment, data, evaluation = cfg.optim, cfg.augment, cfg.data, cfg.eval
     if not (optim.warmup_start_lr == -1 or optim.warmup_start_lr >= 0):

@@ -19,7 +19,7 @@ from .keys import ConfigError, set_key
 from .run_sections import CheckpointConfig, DistConfig, ElasticConfig, OutputConfig, RuntimeConfig, TrackingConfig
 from .sections import AmpConfig, AugmentConfig, DataConfig, EmaConfig, EvalConfig, ModelConfig, OptimConfig, TrainConfig
 
-# Keys that moved from a core section into a task's own (issue 31): the old key -> the new one. A
+# Keys that moved from a core section into a task's own: the old key -> the new one. A
 # config file or override that uses an old key stops with one line naming the new one; a config
 # recorded by an earlier run is carried over (load.migrate_moved_keys).
 MOVED_KEYS = {

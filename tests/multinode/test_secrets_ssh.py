@@ -1,4 +1,4 @@
-"""Secrets reach ranks started over ssh without showing in any process's arguments (issue 36).
+"""Secrets reach ranks started over ssh without showing in any process's arguments.
 
 horovodrun --gloo used to start a remote rank as ``ssh node1 'cd DIR ; env K=V ... python ...'``:
 the values sat in the arguments of the local ssh client and of the remote shell for the whole

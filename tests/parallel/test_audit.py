@@ -62,7 +62,7 @@ def test_a_diverged_parameter_is_named_at_the_epoch_end_and_stops_the_job(task_f
     lines = audit_lines(output)
     assert result.returncode != 0 and len(lines) == 1, output[-3000:]
     assert "at the end of epoch 1 (global step 6): parameter mlp.3.bias differs on rank(s) 1 from rank 0" in lines[0]
-    # No rank prints a traceback (horovodrun's own, after the ranks exit, is issue 34's).
+    # No rank prints a traceback (horovodrun's own, after the ranks exit, is the launcher's).
     assert not [line for line in output.splitlines() if line.startswith("[") and "Traceback" in line], output[-3000:]
     # Nothing of the diverged state was saved: no checkpoint, no epoch record.
     assert not list((tmp_path / "run" / "checkpoints").glob("*.pt"))

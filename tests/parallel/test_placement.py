@@ -65,7 +65,7 @@ def test_ranks_bound_by_the_launcher_or_with_affinity_none_stay_where_they_were(
 
 
 def test_a_second_job_on_the_host_never_binds_to_the_cores_of_the_first(tmp_path):
-    """Two horovodrun jobs on one host, outside cgroups (issue 35): both used to bind their ranks to
+    """Two horovodrun jobs on one host, outside cgroups: both used to bind their ranks to
     the same cores. The first job here binds all of them (rank); the second, on auto, sees the first
     one's ranks bound there, says so in one line and leaves its threads unbound."""
     release = tmp_path / "release"

@@ -1,4 +1,4 @@
-"""Rendezvous servers behind the job's token (issue 36, point 3).
+"""Rendezvous servers behind the job's token.
 
 ``hvdtrain ray``'s: it listens on the address the ranks reach it at, refuses every request
 without the job's token (an outsider's PUT of a peer address used to be accepted), and Horovod's

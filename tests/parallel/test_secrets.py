@@ -1,4 +1,4 @@
-"""Secrets in the environment of a launch never show in a process's arguments (issue 36).
+"""Secrets in the environment of a launch never show in a process's arguments.
 
 horovodrun --gloo used to start every rank as ``/bin/sh -c env K=V ... python ...`` with the whole
 environment, so any user of the host read WANDB_API_KEY, MLFLOW_TRACKING_* and AWS_* with ``ps``.

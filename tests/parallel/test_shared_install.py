@@ -1,4 +1,4 @@
-"""A shared install made by root, used by another user (issue 35, point 4).
+"""A shared install made by root, used by another user.
 
 Root makes a venv from a Python every user can read (/usr/bin/python3) and installs hvdtrain into
 it as setup.sh does for a shared install (scripts/shared-install.sh: a copy, not editable, the

@@ -1,4 +1,4 @@
-"""Compact file lists (issue 38): paths and labels in one shared buffer, read exactly as the lists
+"""Compact file lists: paths and labels in one shared buffer, read exactly as the lists
 were, checked on load, and shared with loader workers by file descriptor instead of copied."""
 
 from __future__ import annotations

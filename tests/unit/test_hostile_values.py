@@ -1,4 +1,4 @@
-"""Issue 36, point 5: values and files that used to end in a traceback, a hang or a silent waste are
+"""Values and files that used to end in a traceback, a hang or a silent waste are
 refused in one line: non-finite numbers, sizes no real run uses, oversized or deeply nested config
 files, images over the pixel limit (both decoders), host names that ssh would read as options."""
 

@@ -1,4 +1,4 @@
-"""Horovod's launcher keeps secrets out of process arguments (issue 36, point 2; the runner hunks of
+"""Horovod's launcher keeps secrets out of process arguments (the runner hunks of
 third_party/horovod/0006). Real launches are in tests/parallel/test_secrets.py (local
 ranks) and tests/multinode/test_secrets_ssh.py (ranks over ssh); these check the pieces alone."""
 

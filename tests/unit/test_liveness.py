@@ -1,4 +1,4 @@
-"""The liveness service on a shared network (issue 36, point 3): silent connections from outside
+"""The liveness service on a shared network: silent connections from outside
 cannot delay a peer's ping past the watchdog's bound, a connection without the job's token gets
 no answer, and the service listens on the ranks' address only. Hung and dead peers are still
 told apart (tests/parallel/test_fault_tolerance.py proves it under horovodrun and mpirun)."""

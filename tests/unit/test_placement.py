@@ -109,7 +109,7 @@ def test_bind_threads_moves_the_threads_already_running():
 
 def test_another_jobs_bound_ranks_keep_their_cores(host, monkeypatch):
     """Two jobs on one host, outside cgroups: the second binds within the cores nobody else is bound
-    to, and leaves binding off, with one line, where too few remain (issue 35: both jobs used to bind
+    to, and leaves binding off, with one line, where too few remain (both jobs used to bind
     their ranks to the same cores)."""
     seen, bound = host
     logged = []

@@ -1,4 +1,4 @@
-"""Issue 37: the ImageNet presets checked line by line against their published sources, and the keys
+"""The ImageNet presets checked line by line against their published sources, and the keys
 the sources need. Every preset resolves to every row of hvdtrain/configs/published.json (the
 learning-rate scaling to its global batch included); the differences it cannot express are in its
 header; docs/recipes.md's tables are current. Each key is tested against its source's formula or

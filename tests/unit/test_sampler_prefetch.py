@@ -1,4 +1,4 @@
-"""Shares drawn ahead on a thread (issue 38), from set_epoch and for the next epoch while one runs:
+"""Shares drawn ahead on a thread, from set_epoch and for the next epoch while one runs:
 the same array as a draw in the caller's thread whatever the timing (a draw slower than the epoch,
 a resume elsewhere, a failed draw, a copy of the sampler), drawn once per epoch and position, and
 no thread left behind."""

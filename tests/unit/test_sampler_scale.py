@@ -1,4 +1,4 @@
-"""The sampler without Python lists (issue 38): the same order, bit for bit, as the list-based
+"""The sampler without Python lists: the same order, bit for bit, as the list-based
 sampler it replaced, and the same augmentation seeds, computed in bulk."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hvdtrain.data.sampler import ShardedSampler, sample_seed, sample_seeds
 
 
 class ListSampler:
-    """The list-based implementation before issue 38, kept as the reference."""
+    """The list-based implementation the sampler had before, kept as the reference."""
 
     def __init__(self, num_samples, num_replicas, rank, seed=0, shuffle=True, pad=True):
         self.num_samples_total, self.num_replicas, self.rank = num_samples, num_replicas, rank

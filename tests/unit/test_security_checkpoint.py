@@ -1,4 +1,4 @@
-"""A checkpoint's config never runs code (issue 36, point 1).
+"""A checkpoint's config never runs code.
 
 ``hvdtrain evaluate --checkpoint X`` and ``hvdtrain.evaluate(X)`` build the run from the config
 stored in X. Its ``task`` may name ``file.py:Class`` or ``module:Class``, which used to be

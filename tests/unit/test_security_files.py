@@ -1,4 +1,4 @@
-"""Files others can write or link (issue 36, point 4): the MovieLens ratings cache, ``hvdtrain
+"""Files others can write or link: the MovieLens ratings cache, ``hvdtrain
 prepare``'s source files and destination (never another user's unfinished run), symlink loops in a
 data folder, and temporary files in cache folders."""
 

@@ -1,4 +1,4 @@
-"""A shared install used by people who are not root (issue 35, point 4), the parts that need no
+"""A shared install used by people who are not root, the parts that need no
 other user: the default output folder per Slurm job, an output folder that cannot be made, HOME
 without horovodrun's cache, a Python others cannot read, and the Slurm scripts finding the install
 from their own location. tests/parallel/test_shared_install.py runs a job as another user."""

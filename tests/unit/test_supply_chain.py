@@ -1,4 +1,4 @@
-"""Issue 36, point 6: what setup installs and what fine-tuning downloads is what was meant. A Horovod
+"""What setup installs and what fine-tuning downloads is what was meant. A Horovod
 wheel from a wheelhouse is installed only when nobody else can have swapped it (scripts/wheel-check.sh,
 run here on its own: the real setup takes minutes), every Python dependency is pinned alike in
 scripts/setup.sh and pyproject.toml, and torchvision weights are checked against their published hash."""

@@ -1,4 +1,4 @@
-"""Tasks own their settings (issue 31): a task's dataclass becomes the config section named after it,
+"""Tasks own their settings: a task's dataclass becomes the config section named after it,
 set from YAML and key=value, shown by --print-config, validated beside the dataclass, recorded in
 config.yaml and checkpoints; the core config knows no task; old keys stop with one line."""
 

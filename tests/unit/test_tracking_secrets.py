@@ -1,5 +1,5 @@
 """A password in ``tracking.mlflow.tracking_uri`` is masked wherever hvdtrain writes or prints it,
-and the real one still reaches MLflow (issue 36, point 2).
+and the real one still reaches MLflow.
 
 ``http://alice:s3cret@host:5000`` used to be copied into ``--print-config``, config.yaml, every
 checkpoint, the MLflow params (and W&B config) and the tracker's start-up line. The MLflow test
