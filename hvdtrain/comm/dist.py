@@ -308,15 +308,18 @@ def distributed_optimizer(
     op: str,
     sparse_as_dense: bool = False,
     bucket_mb: float = 0,
+    gradient_predivide_factor: float = 1.0,
 ) -> torch.optim.Optimizer:
     """``optimizer`` with its gradients averaged over the ranks during backward (the engine's
     ``distributed_optimizer``): each gradient, or group of about ``bucket_mb`` MB, is sent as soon
     as backward has made it on the last of ``backward_passes_per_step`` passes; ``synchronize``
     waits for them; ``step()`` synchronizes unless inside ``skip_synchronize``. ``compression``
-    "fp16": float32 gradients travel as float16."""
+    "fp16": float32 gradients travel as float16. ``gradient_predivide_factor`` (Horovod's): each
+    gradient divided by it before the sum, by ranks / it after."""
     wrapped = _active().distributed_optimizer(optimizer, named_parameters, compression=compression,
                                               backward_passes_per_step=backward_passes_per_step, op=op,
-                                              sparse_as_dense=sparse_as_dense, bucket_mb=bucket_mb)
+                                              sparse_as_dense=sparse_as_dense, bucket_mb=bucket_mb,
+                                              gradient_predivide_factor=gradient_predivide_factor)
     _DISTRIBUTED.add(wrapped)
     return wrapped
 

@@ -287,6 +287,7 @@ def distributed_optimizer(
     op: str,
     sparse_as_dense: bool = False,
     bucket_mb: float = 0,
+    gradient_predivide_factor: float = 1.0,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are allreduced during backward.
 
@@ -296,7 +297,8 @@ def distributed_optimizer(
     (``gradient_buckets``); the caller leaves it 0 where gradients may be sparse."""
     named_parameters = list(named_parameters)
     groups = None
-    if bucket_mb > 0 and op != "adasum":  # Horovod's Adasum optimizer takes no groups
+    # Horovod's Adasum optimizer takes no groups, and its grouped allreduce leaves out the predivision.
+    if bucket_mb > 0 and op != "adasum" and gradient_predivide_factor == 1:
         groups = gradient_buckets([p for _, p in named_parameters], bucket_mb)
     return hvd.DistributedOptimizer(
         optimizer,
@@ -306,6 +308,7 @@ def distributed_optimizer(
         op=hvd.Adasum if op == "adasum" else hvd.Average,
         sparse_as_dense=sparse_as_dense,
         groups=groups,
+        gradient_predivide_factor=gradient_predivide_factor,
     )
 
 

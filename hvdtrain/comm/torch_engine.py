@@ -245,11 +245,11 @@ def skip_synchronize(optimizer: torch.optim.Optimizer) -> contextlib.AbstractCon
 
 def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                           compression: str, backward_passes_per_step: int, op: str, sparse_as_dense: bool = False,
-                          bucket_mb: float = 0) -> torch.optim.Optimizer:
+                          bucket_mb: float = 0, gradient_predivide_factor: float = 1.0) -> torch.optim.Optimizer:
     """``optimizer`` itself, with gradient hooks that average over the ranks (GradientAverager)."""
-    if op == "adasum":
-        raise ConfigError("dist.op=adasum is Horovod's, which dist.engine=torch does not have: set dist.op=average "
-                          "or dist.engine=horovod")
+    if op == "adasum" or gradient_predivide_factor != 1:
+        raise ConfigError(f"{'dist.op=adasum' if op == 'adasum' else 'dist.gradient_predivide_factor'} is Horovod's, "
+                          "which dist.engine=torch does not have: leave it at its default or set dist.engine=horovod")
     GradientAverager(optimizer, list(named_parameters), fp16=compression == "fp16",
                      passes=backward_passes_per_step, bucket_mb=bucket_mb, sparse_as_dense=sparse_as_dense,
                      start=allreduce_async_, wait=wait)

@@ -53,6 +53,9 @@ def check_core(cfg: Config) -> None:
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
     check_upper_bounds(cfg)
+    if cfg.dist.gradient_predivide_factor <= 0 or (cfg.dist.gradient_predivide_factor != 1 and cfg.dist.op == "adasum"):
+        raise ConfigError(f"config key 'dist.gradient_predivide_factor' must be positive, and 1 with dist.op=adasum "
+                          f"(Horovod splits an average, not Adasum), got {cfg.dist.gradient_predivide_factor:g}")
     if cfg.optim.lr and cfg.optim.lr_per_rank:
         raise ConfigError(f"optim.lr={cfg.optim.lr:g} and optim.lr_per_rank={cfg.optim.lr_per_rank:g} both set the "
                           "rate: set one of the two")
@@ -218,6 +221,7 @@ HOROVOD_ONLY = {
     "runtime.timeline": ("Horovod's timeline", lambda cfg: bool(cfg.runtime.timeline)),
     "dist.stall_shutdown_seconds": ("Horovod's stall inspector", lambda cfg: cfg.dist.stall_shutdown_seconds > 0),
     "dist.op": ("Horovod's Adasum", lambda cfg: cfg.dist.op == "adasum"),
+    "dist.gradient_predivide_factor": ("Horovod's pre-division", lambda cfg: cfg.dist.gradient_predivide_factor != 1),
 }
 
 

@@ -24,6 +24,11 @@ class DistConfig:
     op: Literal["average", "adasum"] = "average"
     """Gradient reduction: average, or Horovod's Adasum (MPI controller only, a power-of-2 number of ranks; the rate is
     one rank's, not scaled by the ranks; no clipping or fp16 AMP; docs/launching.md, "Adasum")."""
+    gradient_predivide_factor: float = 1.0
+    """Horovod's DistributedOptimizer gradient_predivide_factor (the example's --gradient-predivide-factor): each
+    gradient is divided by this before the sum and by ranks / this after it, which keeps fp16 sums in range; the
+    gradients then go per tensor (Horovod's grouped allreduce has no such split: dist.bucket_mb is not used); 1 = plain
+    average. Not with dist.op=adasum."""
     timeout_seconds: int = 45
     """Stop the job, naming the lost rank, when no training step completes for this long; also end a rank that makes no
     progress for this long after a stop signal (stuck where the stop is never agreed, exit 75); 0 = never."""

@@ -193,7 +193,7 @@ def bucket_mb_for(cfg: Config, device: torch.device, sparse: bool = False) -> fl
     benchmarks/results/gloo-gap_amd-epyc-2core_2026-11-24.md) and Horovod's per-cycle fusion on
     GPU. Sparse gradients (``sparse``) take no groups (Horovod's grouped allreduce refuses them, made
     dense or not), and neither do elastic runs (validate() refuses an explicit size there)."""
-    if sparse or cfg.elastic.enabled:
+    if sparse or cfg.elastic.enabled or cfg.dist.gradient_predivide_factor != 1:
         return 0
     if cfg.dist.bucket_mb == -1:
         return 25 if device.type == "cpu" else 0
@@ -209,7 +209,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, schedule: LRSchedule,
         own if own is not None else build_named_optimizer(model, cfg.optim, schedule(0)), model.named_parameters(),
         compression=compression_for(cfg, device), backward_passes_per_step=cfg.train.backward_passes_per_step,
         op=cfg.dist.op, sparse_as_dense=cfg.dist.sparse_as_dense,
-        bucket_mb=bucket_mb_for(cfg, device, has_sparse_gradients(model)))
+        bucket_mb=bucket_mb_for(cfg, device, has_sparse_gradients(model)),
+        gradient_predivide_factor=cfg.dist.gradient_predivide_factor)
 
 
 def build_scaler(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:

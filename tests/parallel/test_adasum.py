@@ -2,7 +2,8 @@
 it. The engine's step combines two ranks' updates as Adasum's formula says (and with two backward
 passes a step as well); a run trains at one rank's learning rate, not scaled by the number of
 ranks; under Gloo, where Horovod 0.28 has no Adasum, it is refused in one line, by the launcher
-before any rank starts, and by the ranks under a plain horovodrun."""
+before any rank starts, and by the ranks under a plain horovodrun. And the example's other
+DistributedOptimizer argument, dist.gradient_predivide_factor, reaches Horovod."""
 
 from __future__ import annotations
 
@@ -64,3 +65,14 @@ def test_adasum_under_gloo_is_refused_in_one_line(tiny_data, tmp_path):
     ranks = launch("horovodrun-gloo", 2, program, tmp_path, check=False)
     assert ranks.returncode != 0 and line in ranks.stdout + ranks.stderr, ranks.stdout[-3000:] + ranks.stderr[-3000:]
     assert "Traceback" not in ranks.stdout + ranks.stderr
+
+
+def test_gradient_predivide_factor_keeps_an_fp16_sum_in_range(tmp_path):
+    """dist.gradient_predivide_factor reaches Horovod's DistributedOptimizer: gradients of 60000 on two
+    ranks, sent as float16, overflow the plain sum (inf) and average to 60000 when halved first."""
+    result = launch("mpirun", 2, [str(REPO / "tests" / "parallel" / "predivide_probe.py")], tmp_path, timeout=180)
+    lines = [json.loads(line[line.index("{"):]) for line in result.stdout.splitlines() if '"rank"' in line]
+    assert sorted(entry["rank"] for entry in lines) == [0, 1], result.stdout
+    for entry in lines:
+        assert math.isinf(entry["factor_1"][0]) and entry["factor_1"][1] == 2.0, lines
+        assert entry["factor_2"] == [60000.0, 2.0], lines

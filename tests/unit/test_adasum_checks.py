@@ -52,3 +52,17 @@ def test_what_needs_the_gradients_before_the_step_is_refused_under_adasum(overri
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"dist.op=adasum and {named} exclude each other"), message
     assert load_config("debug", ["dist.op=adasum", "amp.enabled=true", "amp.dtype=bfloat16"]).dist.op == "adasum"
+
+
+def test_gradient_predivide_factor_is_positive_not_with_adasum_and_sends_per_tensor():
+    import torch
+
+    from hvdtrain.train.builders import bucket_mb_for
+
+    cfg = load_config("debug", ["dist.gradient_predivide_factor=2"])
+    assert bucket_mb_for(cfg, torch.device("cpu")) == 0  # Horovod's groups would leave the factor out
+    assert bucket_mb_for(load_config("debug"), torch.device("cpu")) == 25
+    for overrides in (["dist.gradient_predivide_factor=0"], ["dist.op=adasum", "dist.gradient_predivide_factor=2"]):
+        with pytest.raises(ConfigError, match=r"^config key 'dist.gradient_predivide_factor' must be positive, and 1 "
+                                              r"with dist.op=adasum"):
+            load_config("debug", overrides)

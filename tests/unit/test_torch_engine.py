@@ -25,6 +25,7 @@ from tests.helpers import REPO
     ("runtime.timeline=/tmp/timeline.json", "runtime.timeline"),
     ("dist.stall_shutdown_seconds=120", "dist.stall_shutdown_seconds"),
     ("dist.op=adasum", "dist.op"),
+    ("dist.gradient_predivide_factor=2", "dist.gradient_predivide_factor"),
 ])
 def test_horovod_only_settings_are_refused_under_the_torch_engine_in_one_line(override, key):
     load_config("debug", [override])  # the Horovod engine takes it
