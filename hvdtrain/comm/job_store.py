@@ -72,9 +72,26 @@ def bind_address(host: str) -> str:
     return next((a for a in addresses if ipaddress.ip_address(a).version == 4), addresses[0])
 
 
+def spans_hosts() -> bool:
+    """Whether the launcher says the job's ranks run on more than one host (Slurm's node count,
+    Open MPI's and torchrun's local sizes); False where none says."""
+    def number(name: str) -> int:
+        try:
+            return int(os.environ.get(name, "0"))
+        except ValueError:
+            return 0
+    return number("SLURM_JOB_NUM_NODES") > 1 or number("SLURM_NNODES") > 1 or \
+        0 < number("OMPI_COMM_WORLD_LOCAL_SIZE") < number("OMPI_COMM_WORLD_SIZE") or \
+        0 < number("LOCAL_WORLD_SIZE") < number("WORLD_SIZE")
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to ``host``'s address and ``port`` alone, listening; one line where it cannot be."""
     address = bind_address(host)
+    if ipaddress.ip_address(address).is_loopback and spans_hosts():
+        raise ConfigError(f"MASTER_ADDR={host} is {address} on rank 0's host, a loopback address the job's other "
+                          "hosts cannot reach: export MASTER_ADDR as rank 0's address on the network the hosts "
+                          "share (e.g. the first of `hostname -I`)")
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -19,6 +19,13 @@ SECRET = b"s" * 64
 WHERE = "127.0.0.1:1"
 
 
+@pytest.fixture(autouse=True)
+def one_host(monkeypatch):
+    """No launcher variable says the ranks span hosts (a test sets its own)."""
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -57,6 +64,16 @@ def test_a_port_in_use_is_one_line_naming_the_port_and_the_fix(other):
     assert str(caught.value) == (f"MASTER_PORT={port} is in use on 127.0.0.1 (another job, or another process, "
                                  "listens there): export a free port as MASTER_PORT (or torchrun --master_port), "
                                  "one per job on a shared host")
+
+
+@pytest.mark.parametrize("variables", [{"SLURM_JOB_NUM_NODES": "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                                       "OMPI_COMM_WORLD_SIZE": "4"}, {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}])
+def test_a_loopback_master_addr_for_ranks_on_several_hosts_is_one_line(monkeypatch, variables):
+    # e.g. MASTER_ADDR=$(hostname) where /etc/hosts maps the name to 127.0.1.1: the other hosts never connect
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=r"^MASTER_ADDR=localhost is 127\.0\.0\.1 on rank 0's host, a loopback "):
+        job_store.listen("localhost", free_port())
 
 
 def test_an_address_of_another_host_or_no_host_is_one_line():
