@@ -140,10 +140,15 @@ def test_an_item_that_no_longer_applies_fails_by_name(name, sources, tmp_path):
     """An upstream change under a patch (here: the first line its first hunk reads, altered) stops
     the apply with that patch's name; fuzz does not paper over it."""
     root = unpack(sources, tmp_path)
-    path = touched(name)[0]  # no earlier patch changes it: its hunks' line numbers are the sdist's
-    first_line = int(re.search(r"^@@ -(\d+)", (PATCHES / name).read_text().split(f"+++ b/{path}\n", 1)[1], re.M)[1])
+    path = touched(name)[0]
+    hunk = (PATCHES / name).read_text().split(f"+++ b/{path}\n", 1)[1]
+    first_line = int(re.search(r"^@@ -(\d+)", hunk, re.M)[1])
+    read = next(line[1:] for line in hunk.split("\n")[1:] if line[:1] in (" ", "-"))
     lines = (root / path).read_text().split("\n")
-    lines[first_line - 1] += " changed upstream"
+    # That line in the sdist's copy: where the hunk says, or, when an earlier patch changes the same
+    # file above it, the same line as many lines away as that patch moved it.
+    at = min((i for i, line in enumerate(lines) if line == read), key=lambda i: abs(i - (first_line - 1)))
+    lines[at] += " changed upstream"
     (root / path).write_text("\n".join(lines))
     result = run_script("apply", str(root))
     assert result.returncode == 1
