@@ -28,7 +28,6 @@ def check_core(cfg: Config) -> None:
         "train.global_batch_size": cfg.train.global_batch_size,
         "optim.lr": cfg.optim.lr,
         "optim.lr_per_rank": cfg.optim.lr_per_rank,
-        "data.workers": cfg.data.workers,
         "data.val_resize": cfg.data.val_resize,
         "runtime.threads": cfg.runtime.threads,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
@@ -53,6 +52,8 @@ def check_core(cfg: Config) -> None:
         if value < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {value}")
     check_upper_bounds(cfg)
+    if cfg.data.workers < -1:
+        raise ConfigError(f"config key 'data.workers' must be >= 0, or -1 for auto, got {cfg.data.workers}")
     if cfg.dist.gradient_predivide_factor <= 0 or (cfg.dist.gradient_predivide_factor != 1 and cfg.dist.op == "adasum"):
         raise ConfigError(f"config key 'dist.gradient_predivide_factor' must be positive, and 1 with dist.op=adasum "
                           f"(Horovod splits an average, not Adasum), got {cfg.dist.gradient_predivide_factor:g}")

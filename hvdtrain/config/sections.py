@@ -61,8 +61,10 @@ class DataConfig:
     synthetic_samples: int = 1281167
     """Training samples per epoch with synthetic data (ImageNet-1k size by default); validation gets ImageNet's
     proportion (50000 at the default)."""
-    workers: int = 4
-    """DataLoader worker processes per rank (0 = load in the training process)."""
+    workers: int = -1
+    """DataLoader worker processes per rank (0 = load in the training process); -1 = auto: 4, but no more than the
+    rank's share of the host's cores (its own cores, SLURM_CPUS_PER_TASK, or the cores / its ranks), said at
+    start-up."""
     mp_context: Literal["forkserver", "spawn", "fork"] = "forkserver"
     """Start method for loader workers; forkserver is safe after MPI/NCCL initialization."""
     prefetch_factor: int = 2

@@ -231,3 +231,19 @@ def lr_batch(op: str, global_batch: int, size: int, local_size: int, gpu_adasum:
     if op != "adasum":
         return global_batch
     return global_batch // size * (local_size if gpu_adasum else 1)
+
+
+AUTO_WORKERS = 4  # data.workers=-1 on a host with cores to spare
+
+
+def auto_workers(own_cores: list[int] | None, env: Mapping[str, str], mask_cpus: int,
+                 ranks_here: int) -> tuple[int, str]:
+    """data.workers=-1: (loader workers per rank, the start-up line's why): 4, but no more than the
+    rank's cores (its own, SLURM_CPUS_PER_TASK, or the affinity mask's / the host's ranks): 4 workers
+    for each of 2 loaders beside 2 ranks on 2 cores are 16 processes on them."""
+    cores = len(own_cores) if own_cores else positive(env.get("SLURM_CPUS_PER_TASK"))
+    if cores is None:
+        cores = max(1, mask_cpus // max(1, ranks_here))
+    workers = min(AUTO_WORKERS, cores)
+    return workers, (f"data.workers auto: {workers} per loader of each rank ({AUTO_WORKERS}, at most its "
+                     f"{cores} core(s))")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..optim.build import LRSchedule
 from ..optim.ema import ModelEma
 from ..tasks import Task, build_task, metric_direction
 from .builders import (
+    auto_workers,
     build_loaders,
     build_model,
     build_optimizer,
@@ -126,6 +128,10 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         placement = place(cfg.runtime.cpu_affinity, device.type, elastic)
         own_cores = placement.cores
         threads, threads_from = threads_per_rank(cfg, own_cores, placement.launcher_bound)
+        if cfg.data.workers < 0:
+            cfg.data.workers, workers_note = auto_workers(own_cores, os.environ, len(os.sched_getaffinity(0)),
+                                                          dist.local_size())
+            log(f"hvdtrain: {workers_note}")
         torch.set_num_threads(threads)
         malloc = host_malloc.apply(cfg.runtime.host_malloc, device.type)
         if device.type == "cuda":

@@ -25,3 +25,21 @@ from hvdtrain.train.builders import thread_count
 ])
 def test_the_thread_count_follows_the_allocation_before_the_host(configured, env, own, mask, launcher_bound, expected):
     assert thread_count(configured, env, own, mask, 64, 2, launcher_bound) == expected
+
+
+def test_auto_loader_workers_are_four_at_most_the_ranks_cores():
+    """data.workers=-1 (the default): 4 workers for each of a rank's 2 loaders beside 2 ranks on a
+    2-core host were 16 processes on 2 cores; the rank's share of the cores caps them now."""
+    from hvdtrain.train.builders import auto_workers
+
+    line = "data.workers auto: 1 per loader of each rank (4, at most its 1 core(s))"
+    assert auto_workers(None, {}, 2, 2) == (1, line)                      # 2 cores, 2 ranks
+    assert auto_workers(None, {}, 64, 8)[0] == 4                          # 8 cores per rank: 4
+    assert auto_workers([0, 1, 2], {}, 64, 8)[0] == 3                     # its own cores
+    assert auto_workers(None, {"SLURM_CPUS_PER_TASK": "2"}, 64, 8)[0] == 2
+    from hvdtrain.config import ConfigError
+    from hvdtrain.job_config import load_config
+
+    assert load_config(None).data.workers == -1 and load_config("debug").data.workers == 0
+    with pytest.raises(ConfigError, match=r"^config key 'data.workers' must be >= 0, or -1 for auto, got -2$"):
+        load_config("debug", ["data.workers=-2"])
