@@ -27,6 +27,8 @@ from . import launcher_env as launcher
 from . import objects
 
 ENGINES = ("horovod", "torch")
+NO_HOROVOD = ("dist.engine=horovod (the default) needs Horovod, which this Python does not have: set dist.engine=torch "
+              "and launch with torchrun, or install Horovod with make setup (docs/launching.md#two-engines)")
 _engine: ModuleType | None = None  # the engine init() started; None before
 
 
@@ -35,7 +37,12 @@ def _load(name: str) -> ModuleType:
         from . import torch_engine
         return torch_engine
     if name == "horovod":
-        from . import horovod_engine
+        try:
+            from . import horovod_engine
+        except ModuleNotFoundError as error:  # an install without Horovod (make setup ENGINE=torch, pip install .)
+            if (error.name or "").split(".")[0] != "horovod":
+                raise
+            raise ConfigError(NO_HOROVOD) from None
         return horovod_engine
     raise ConfigError(f"config key 'dist.engine': expected one of {', '.join(ENGINES)}, got '{name}'")
 

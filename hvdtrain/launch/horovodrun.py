@@ -276,8 +276,8 @@ def launch(argv: list[str], token: str, records_folder: Path) -> int:
         job = subprocess.Popen([horovodrun(), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                process_group=0, preexec_fn=end_with_parent)
     except OSError as error:
-        print(f"hvdtrain launch: error: cannot start horovodrun ({error}): is Horovod installed (make setup)?",
-              file=sys.stderr, flush=True)
+        print(f"hvdtrain launch: error: cannot start horovodrun ({error}): install Horovod with make setup, or "
+              "launch with torchrun and dist.engine=torch (docs/launching.md#two-engines)", file=sys.stderr, flush=True)
         return 2
     # A stop signal sent to the launcher alone (a scheduler's, a batch script's, a Ctrl-C) goes to
     # this host's ranks, which agree on it with the others, checkpoint and name it (the Forwarder).
