@@ -97,10 +97,14 @@ def build_peers(elastic: bool) -> tuple[LivenessService, list[Peer]]:
     return liveness, [Peer(**info) for info in dist.allgather_object(liveness.describe(), name="hvdtrain.peers")]
 
 
-def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loaders, int, int]:
-    """The task's loaders; the steps per epoch and the global batch they give."""
+def build_loaders(cfg: Config, task: Task, device: torch.device,
+                  evaluating: bool = False) -> tuple[Loaders, int, int]:
+    """The task's loaders; the steps per epoch and the global batch they give. ``evaluating`` (a
+    checkpoint's validation, on any number of ranks): training's batch settings are not checked
+    against this world; the per-rank batch the checkpoint recorded is the validation batch."""
     elastic = cfg.elastic.enabled
-    resolve_batch_size(cfg, dist.size())
+    if not evaluating:
+        resolve_batch_size(cfg, dist.size())
     env = DataEnv(rank=dist.rank(), world_size=dist.size(), pin_memory=device.type == "cuda",
                   broadcast_object=None if elastic else dist.broadcast_object,
                   allgather=None if elastic else dist.allgather,
@@ -112,6 +116,8 @@ def build_loaders(cfg: Config, task: Task, device: torch.device) -> tuple[Loader
     steps_per_epoch = len(loaders.train) // passes
     if cfg.train.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, cfg.train.steps_per_epoch)
+    if steps_per_epoch == 0 and evaluating:
+        steps_per_epoch = 1  # no step is taken; the schedule only needs a length
     if steps_per_epoch == 0:
         raise DataError(f"the training split has {loaders.train_size} samples: too few for one step of "
                         f"{dist.size()} ranks x {cfg.train.batch_size} samples x {passes} passes "

@@ -139,7 +139,7 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         torch.manual_seed(cfg.seed)
 
         task = build_task(cfg)
-        loaders, steps_per_epoch, global_batch = build_loaders(cfg, task, device)
+        loaders, steps_per_epoch, global_batch = build_loaders(cfg, task, device, evaluating)
         dtype = getattr(torch, cfg.model.dtype)
         model = build_model(cfg, task, device, dtype)
         rate_batch = lr_batch(cfg.dist.op, global_batch, dist.size(), dist.local_size(),

@@ -67,8 +67,10 @@ def test_two_ranks_train_to_identical_parameters(launcher, controller, tiny_data
 
 
 def test_distributed_validation_equals_single_process_evaluation(tiny_data, tmp_path):
+    # Trained with a global batch (16 = 8/rank x 2 ranks, recorded as such in the checkpoint):
+    # evaluation on 1 rank leaves training's batch settings aside (16/rank would disagree with 8).
     run_dir = tmp_path / "run"
-    launch("horovodrun-gloo", 2, ["-m", "hvdtrain"] + tiny(tiny_data, run_dir), tmp_path)
+    launch("horovodrun-gloo", 2, ["-m", "hvdtrain"] + tiny(tiny_data, run_dir, "train.global_batch_size=16"), tmp_path)
     logged = read_metrics(run_dir)[-1]
     assert logged["split"] == "val"
     checkpoint = str(run_dir / "checkpoints" / "last.pt")
@@ -84,6 +86,7 @@ def test_distributed_validation_equals_single_process_evaluation(tiny_data, tmp_
     said = single.stdout + single.stderr
     assert f"hvdtrain: evaluating {checkpoint}: the model after 2 epochs (global step 8)" in said, said
     assert "hvdtrain: evaluating on 1 rank on 1 host(s), device cpu" in said
+    assert "hvdtrain: validation batches of 8/rank; every sample counted once" in said
     for word in ("resumed from", "rescaled", "controller", "warm-up", "recipe:"):
         assert word not in said, word
 
