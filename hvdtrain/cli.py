@@ -25,7 +25,8 @@ from .arguments import (
     train_parser,
 )
 from .comm import launcher_env as launcher
-from .config import PACKAGED_CONFIGS, dump_yaml
+from .comm.launcher_env import NO_HOROVOD, horovod_missing
+from .config import PACKAGED_CONFIGS, ConfigError, dump_yaml
 from .fault import signals
 from .job_config import load_config
 
@@ -38,11 +39,13 @@ def launcher_rank() -> int:
 def cmd_train(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if not args.print_config and cfg.dist.engine == "horovod" and horovod_missing():
+        raise ConfigError(NO_HOROVOD)  # before torch is imported
     from .train.preflight import check_before_launch  # torch, not Horovod
 
     # What the ranks would refuse once they have the model (a weight-decay exemption that names no
     # parameter, say) is refused here, in one line, before Horovod starts.
-    check_before_launch(cfg)
+    check_before_launch(cfg, forward=args.print_config)
     if args.print_config:
         if launcher_rank() == 0:
             print(dump_yaml(cfg), end="")

@@ -27,8 +27,6 @@ from . import launcher_env as launcher
 from . import objects
 
 ENGINES = ("horovod", "torch")
-NO_HOROVOD = ("dist.engine=horovod (the default) needs Horovod, which this Python does not have: set dist.engine=torch "
-              "and launch with torchrun, or install Horovod with make setup (docs/launching.md#two-engines)")
 _engine: ModuleType | None = None  # the engine init() started; None before
 
 
@@ -42,7 +40,7 @@ def _load(name: str) -> ModuleType:
         except ModuleNotFoundError as error:  # an install without Horovod (make setup ENGINE=torch, pip install .)
             if (error.name or "").split(".")[0] != "horovod":
                 raise
-            raise ConfigError(NO_HOROVOD) from None
+            raise ConfigError(launcher.NO_HOROVOD) from None
         return horovod_engine
     raise ConfigError(f"config key 'dist.engine': expected one of {', '.join(ENGINES)}, got '{name}'")
 

@@ -69,3 +69,17 @@ def hostname_problem() -> str | None:
         return (f"this host's name '{name}' does not resolve (Horovod's Gloo controller would crash with a "
                 f"segfault): add '127.0.1.1 {name}' to /etc/hosts or fix DNS")
     return None
+
+
+NO_HOROVOD = ("dist.engine=horovod (the default) needs Horovod, which this Python does not have: set dist.engine=torch "
+              "and launch with torchrun, or install Horovod with make setup (docs/launching.md#two-engines)")
+
+
+def horovod_missing() -> bool:
+    """Whether this Python has no ``horovod`` to import (an install for the torch engine alone)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("horovod") is None
+    except (ImportError, ValueError):
+        return True

@@ -214,3 +214,30 @@ def test_a_world_of_one_trains_under_the_torch_engine_without_a_launcher_or_horo
     assert out["sum"] == [2.5] and out["gathered"] == [0, 1, 2]
     assert out["objects"] == [{"a": 1}] and out["broadcast"] == [1, "x"]
     assert "\n" not in out["join"] and "dist.engine=horovod" in out["join"]
+
+
+class NoHorovod:
+    """A finder that answers every ``horovod`` import as a Python without the package does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "horovod":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def test_the_horovod_engine_without_horovod_is_one_line(monkeypatch):
+    from hvdtrain.comm import dist
+    from hvdtrain.comm.launcher_env import NO_HOROVOD, horovod_missing
+
+    for name in [name for name in sys.modules if name.split(".")[0] == "horovod"
+                 or name == "hvdtrain.comm.horovod_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(sys.modules["hvdtrain.comm"], "horovod_engine", raising=False)  # else `from . import` takes it
+    monkeypatch.setattr(sys, "meta_path", [NoHorovod(), *sys.meta_path])
+    assert horovod_missing()
+    with pytest.raises(ConfigError) as refused:
+        dist._load("horovod")
+    assert str(refused.value) == NO_HOROVOD
+    assert "dist.engine=torch" in NO_HOROVOD and "make setup" in NO_HOROVOD
+    monkeypatch.undo()
+    assert not horovod_missing()  # this test environment has Horovod
