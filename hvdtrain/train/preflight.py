@@ -8,6 +8,11 @@ it. Here it is the same one line, before the launch: the model is built on the m
 parameter names and shapes, no memory, no initialization cost) and the same functions the ranks
 call refuse what they would refuse.
 
+The input size is checked too: against the smallest size torchvision records for the model (every
+caller), and, before a launch (``--print-config``, ``hvdtrain launch``, ``hvdtrain ray``), by one
+forward of the configured size on the meta device, which catches what no record says (a ViT's one
+size, a timm model); a model that cannot take the size stops in one line naming the smallest it takes.
+
 Called by ``--print-config``, by each rank's ``train`` command before it imports Horovod, by
 ``hvdtrain launch`` and ``hvdtrain ray`` on the command they start (``check_train_args``), and by
 ``fit``/``fit_model`` before Horovod starts. Only the built-in image task is built here: the
@@ -21,9 +26,77 @@ from typing import Mapping
 
 from ..config import Config, ConfigError
 
+# Input sizes tried on the meta device, in order, to name the smallest one a model takes when the
+# configured one fails and torchvision's weights record no minimum for it (timm's models, a ViT's
+# one fixed size).
+TRIED_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 299, 320, 384, 448, 512)
 
-def check_before_launch(cfg: Config) -> None:
-    """Raise the ConfigError a rank would raise at start-up on this config's model and task settings."""
+
+def input_sizes(cfg: Config) -> list[tuple[str, int]]:
+    """(key, pixels) of the images the model sees, smallest first: the training size (the smallest
+    of progressive resizing) and the validation crop."""
+    data = cfg.data
+    train = ("data.min_res", data.min_res) if data.min_res else ("data.image_size", data.image_size)
+    val = ("data.val_image_size", data.val_image_size) if data.val_image_size else ("data.image_size", data.image_size)
+    return sorted({train, val}, key=lambda item: item[1])
+
+
+def recorded_min_size(arch: str) -> int | None:
+    """The smallest input side torchvision's weights for ``arch`` record (``meta['min_size']``: 63
+    for alexnet, 75 for inception_v3; the least over its weights, which may be built for larger
+    sizes), or None (no such record, a timm model)."""
+    from torchvision import models
+
+    try:
+        weights = list(models.get_model_weights(arch))
+    except (KeyError, ValueError):
+        return None
+    sides = [min(w.meta["min_size"]) for w in weights if "min_size" in w.meta]
+    return min(sides) if sides else None
+
+
+def forward_fails(model, size: int) -> str | None:
+    """The first line of the error one forward of a ``size`` px image raises on the meta device (eval
+    mode: no batch statistics), or None where it passes."""
+    import torch
+
+    try:
+        model(torch.empty(1, 3, size, size, device="meta"))
+    except Exception as error:  # noqa: BLE001 -- any failure is the model's answer to this size
+        return (str(error).splitlines() or [type(error).__name__])[0][:160]
+    return None
+
+
+def size_problem(cfg: Config, model, forward: bool) -> str | None:
+    """One line where the model cannot take the configured input size, naming the smallest it takes:
+    torchvision's recorded minimum (no forward), then, with ``forward``, one forward of the smallest
+    configured size on the meta device (a size the model refuses for another reason: a ViT's
+    fixed size, a timm model)."""
+    arch = cfg.model.arch
+    (key, size), *_ = input_sizes(cfg)
+    smallest = recorded_min_size(arch)
+    if smallest and size < smallest:
+        return (f"model.arch={arch} does not take {size} px images ({key}={size}): the smallest size it takes is "
+                f"{smallest} px; set {key}={smallest} or more, or choose a model for small images")
+    if not forward:
+        return None
+    model.eval()
+    for key, size in input_sizes(cfg):
+        failed = forward_fails(model, size)
+        if failed is None:
+            continue
+        works = next((side for side in TRIED_SIZES if side != size and forward_fails(model, side) is None), None)
+        if works is None:
+            return None  # no size helps: not a size problem the meta device can tell; the ranks report it
+        return (f"model.arch={arch} does not take {size} px images ({key}={size}; its forward says: {failed}): the "
+                f"smallest of {', '.join(map(str, TRIED_SIZES))} px it takes is {works} px; set {key}={works}")
+    return None
+
+
+def check_before_launch(cfg: Config, forward: bool = False) -> None:
+    """Raise the ConfigError a rank would raise at start-up on this config's model and task settings.
+    ``forward`` (before a launch, not on each rank: seconds on a loaded host): also run the model on
+    the meta device at the configured input size (size_problem)."""
     if cfg.task != "image_classification":
         return
     import torch
@@ -47,6 +120,9 @@ def check_before_launch(cfg: Config) -> None:
         return
     apply_freeze(model, cfg.model.freeze, cfg.model.arch)
     optimizer_groups(model, cfg.optim)
+    problem = size_problem(cfg, model, forward)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -> Config | None:
@@ -64,7 +140,7 @@ def check_train_args(train_args: list[str], prog: str, own_tasks: bool = True) -
         return None
     cfg = load_config(args.config, args.overrides)
     require_data_choice(args.config, cfg)
-    check_before_launch(cfg)
+    check_before_launch(cfg, forward=True)
     return cfg
 
 

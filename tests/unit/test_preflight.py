@@ -111,3 +111,40 @@ def test_the_ray_driver_checks_the_model_too():
 def test_print_config_of_a_good_config_still_prints_it(capsys):
     assert cli.main(["--config", "debug", "--print-config", "optim.no_decay=none"]) == 0
     assert "no_decay: none" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, words", [
+    # torchvision's recorded minimum: no forward needed, so the ranks' own check refuses it too
+    (["model.arch=alexnet", "data.image_size=32"],
+     "model.arch=alexnet does not take 32 px images (data.image_size=32): the smallest size it takes is 63 px"),
+    (["model.arch=inception_v3", "data.image_size=64", "data.val_image_size=80"],
+     "model.arch=inception_v3 does not take 64 px images (data.image_size=64): the smallest size it takes is 75 px"),
+    (["model.arch=alexnet", "data.image_size=128", "data.val_image_size=48"],
+     "(data.val_image_size=48): the smallest size it takes is 63 px"),
+    (["model.arch=alexnet", "data.min_res=32", "data.max_res=128", "data.end_ramp=2", "data.image_size=128"],
+     "(data.min_res=32)"),
+])
+def test_a_model_too_big_for_the_image_size_stops_before_launch(overrides, words, capsys):
+    assert cli.main(["--config", "debug", "--print-config", *overrides]) == 2
+    line = error_line(capsys)
+    assert line.startswith("hvdtrain: error: ") and words in line, line
+    with pytest.raises(ConfigError, match="smallest size it takes"):  # each rank's check, without a forward
+        check_before_launch(load_config("debug", overrides))
+
+
+def test_the_meta_forward_finds_what_no_record_says(capsys):
+    # vit_b_16 takes 224 px alone (its positional embedding): recorded as a minimum, 256 px passes
+    # the record and fails the forward, which then names the size that works
+    overrides = ["model.arch=vit_b_16", "data.image_size=256"]
+    check_before_launch(load_config("debug", overrides))  # no forward: nothing to say
+    assert cli.main(["--config", "debug", "--print-config", *overrides]) == 2
+    line = error_line(capsys)
+    assert "model.arch=vit_b_16 does not take 256 px images (data.image_size=256; its forward says: Wrong image " \
+           "height! Expected 224 but got 256!)" in line and "it takes is 224 px; set data.image_size=224" in line, line
+
+
+@pytest.mark.parametrize("overrides", [["model.arch=resnet18", "data.image_size=32"],
+                                       ["model.arch=alexnet", "data.image_size=63"]])
+def test_a_model_that_takes_the_size_passes(overrides, capsys):
+    assert cli.main(["--config", "debug", "--print-config", *overrides]) == 0
+    assert "arch: " in capsys.readouterr().out
