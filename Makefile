@@ -7,16 +7,23 @@ PY := $(VENV)/bin/python
 NP ?= 2
 PYTEST_ARGS ?=
 EXTRAS ?=
+# ENGINE=torch: an install without Horovod (no compile), for dist.engine=torch under torchrun
+ENGINE ?= $(if $(HVDTRAIN_ENGINE),$(HVDTRAIN_ENGINE),horovod)
 
 .PHONY: setup demo lint test test-fast image test-image test-unit test-horovod bench clean
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (pyproject.toml's optional-dependencies, pinned).
 setup:
-	@EXTRAS="$(EXTRAS)" HVDTRAIN_VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" bash scripts/setup.sh
+	@EXTRAS="$(EXTRAS)" HVDTRAIN_ENGINE="$(ENGINE)" HVDTRAIN_VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" bash scripts/setup.sh
 
+ifeq ($(ENGINE),torch)
+demo: setup
+	$(PY) -P -m torch.distributed.run --nproc_per_node $(NP) -m hvdtrain --config demo dist.engine=torch $(ARGS)
+else
 demo: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) -P -m hvdtrain --config demo $(ARGS)
+endif
 
 # Two pytest-xdist workers: while one waits (a Slurm job's scheduling, ssh, a deadline, a stop
 # signal's round trip) the other computes. A test file stays on one worker, tests/multinode on one.

@@ -7,6 +7,13 @@
 # re-checks `horovodrun --check-build`, so it takes seconds.
 #
 # Environment knobs (all optional):
+#   HVDTRAIN_ENGINE=horovod|torch
+#                              horovod (default): all of the above. torch: no Horovod at all (no
+#                              download, patches, compile or --check-build, no MPI, compilers or
+#                              mpi4py), for dist.engine=torch under torchrun, srun or mpirun
+#                              (docs/launching.md#two-engines); the check is that torch, torchvision and
+#                              hvdtrain's torch engine import. `make setup ENGINE=torch` passes it; a
+#                              later run without it adds Horovod to the same venv
 #   HVDTRAIN_VENV=DIR          where the virtual environment lives (default: <repo>/.venv; `make setup
 #                              VENV=DIR` passes it). A venv outside the checkout is a shared install
 #                              (docs/launching.md#a-shared-install): hvdtrain is copied into it, not
@@ -66,6 +73,7 @@ venv=${HVDTRAIN_VENV:-$repo/.venv}
 [[ $venv = /* ]] || venv=$PWD/$venv
 python=${PYTHON:-python3}
 gpu_ops=${HVDTRAIN_GPU_OPS:-auto}
+engine=${HVDTRAIN_ENGINE:-horovod}
 horovod_version=0.28.1
 horovod_sha256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 cache=${HVDTRAIN_CACHE:-$repo/.cache/setup}
@@ -82,6 +90,18 @@ python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy=
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
+case $engine in
+    horovod) ;;
+    torch)
+        [[ -z ${HVDTRAIN_WHEEL_OUT:-}${HVDTRAIN_NO_COMPILE:-} ]] ||
+            die "HVDTRAIN_WHEEL_OUT and HVDTRAIN_NO_COMPILE are about Horovod's wheel, which HVDTRAIN_ENGINE=torch does not install"
+        # mpi4py compiles against an MPI; the torch engine uses none of it (its extra: EXTRAS=mpi)
+        pins=()
+        for pin in "${python_pins[@]}"; do [[ $pin == mpi4py==* ]] || pins+=("$pin"); done
+        python_pins=("${pins[@]}") ;;
+    *) die "HVDTRAIN_ENGINE must be horovod or torch, not '$engine'" ;;
+esac
+
 # load_horovod_series, horovod_series_id, apply_horovod_series: the patches to Horovod
 source "$repo/scripts/horovod-patches.sh"
 load_horovod_series || die "$horovod_patches_problem"
@@ -89,7 +109,7 @@ load_horovod_series || die "$horovod_patches_problem"
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
 stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/sdist-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
-            "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras
+            "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras-$engine
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"
 # private_cache, checked_sdist: the cache setup builds in, and the sdist it builds, checked and copied
@@ -154,8 +174,14 @@ gpu_driver_present() {
     return 1
 }
 
+# The torch engine's install check: what a dist.engine=torch rank imports first.
+check_torch() {
+    "$venv/bin/python" -c 'import torch, torchvision, hvdtrain.comm.torch_engine; print(f"torch {torch.__version__}, torchvision {torchvision.__version__}")' 2>&1
+}
+
 check_build() {
     local out
+    [[ $engine == horovod ]] || { check_torch; return; }
     out=$("$venv/bin/horovodrun" --check-build 2>&1) || { echo "$out"; return 1; }
     for needed in PyTorch MPI Gloo; do
         grep -q "\[X\] $needed" <<<"$out" || { echo "$out"; echo "missing: $needed"; return 1; }
@@ -163,8 +189,12 @@ check_build() {
     echo "$out"
 }
 
-if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]] && check_build >/dev/null 2>&1; then
-    log "already set up ($venv); horovodrun --check-build shows PyTorch, MPI and Gloo"
+if [[ -f $stamp_file && $(cat "$stamp_file") == "$stamp" ]] && ready=$(check_build 2>&1); then
+    if [[ $engine == torch ]]; then
+        log "already set up ($venv) for the torch engine; $ready"
+    else
+        log "already set up ($venv); horovodrun --check-build shows PyTorch, MPI and Gloo"
+    fi
     exit 0
 fi
 
@@ -174,12 +204,14 @@ fi
 runtime_packages=(openmpi-bin openssh-client openssh-server procps iproute2 python3)
 no_compile=${HVDTRAIN_NO_COMPILE:-}
 wheel_out=${HVDTRAIN_WHEEL_OUT:-}
-if [[ -n $no_compile ]]; then
+if [[ $engine == torch ]]; then
+    apt_install procps iproute2 python3 python3-venv
+elif [[ -n $no_compile ]]; then
     apt_install "${runtime_packages[@]}" python3-venv
 else
     apt_install "${runtime_packages[@]}" libopenmpi-dev cmake g++ make patch python3-venv python3-dev
 fi
-command -v mpirun >/dev/null || die "mpirun not found after installing openmpi-bin"
+[[ $engine == torch ]] || command -v mpirun >/dev/null || die "mpirun not found after installing openmpi-bin"
 
 # --- virtual environment ---------------------------------------------------------------------
 if [[ ! -x $venv/bin/python ]]; then
@@ -209,6 +241,13 @@ else
 fi
 [[ -z $extras ]] || log "installing extras: $extras"
 install_hvdtrain "$vpy" "$install_mode" "$extras"
+
+if [[ $engine == torch ]]; then
+    out=$(check_torch) || { echo "$out" >&2; die "torch, torchvision or hvdtrain's torch engine does not import in $venv"; }
+    echo "$stamp" >"$stamp_file"
+    log "done: $venv for the torch engine ($out; no Horovod): launch with torchrun and dist.engine=torch"
+    exit 0
+fi
 
 # --- Horovod -----------------------------------------------------------------------------------
 installed_horovod=$("$vpy" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
