@@ -173,6 +173,8 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         world_size, passes = dist.size(), cfg.train.backward_passes_per_step
         # Horovod's controller matters to a job of several ranks (Gloo or MPI); one process has none to speak of.
         controller = f" ({dist.controller()} controller)" if world_size > 1 else ""
+        if dist.engine() == "torch":  # torch.distributed's process group: a backend, no controller
+            controller = f" (torch engine, {dist.controller()} backend)"
         log(f"hvdtrain: {'evaluating on ' if evaluating else ''}{world_size} rank{'s' if world_size > 1 else ''} on "
             f"{dist.cross_size()} host(s){controller}, device {device.type}, {threads} threads/rank"
             + ("" if threads_from == "its own cores" else f" ({threads_from})")

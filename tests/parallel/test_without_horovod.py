@@ -66,6 +66,7 @@ def test_the_torch_engine_trains_there(no_horovod, tiny_data, tmp_path):
 
     probes = [torch.load(tmp_path / "probe" / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [(p["rank"], p["size"], p["horovod_modules"]) for p in probes] == [(0, 2, []), (1, 2, [])]
+    assert "hvdtrain: 2 ranks on 1 host(s) (torch engine, gloo backend)" in result.stdout, result.stdout[-2000:]
     # 2 steps x 4 images x 2 ranks = 16 training images an epoch; all 21 validation images once each
     assert [(r["split"], r["samples"]) for r in read_metrics(run_dir)] == [
         ("train", 16), ("val", 21), ("train", 16), ("val", 21)], result.stdout[-2000:]
