@@ -6,6 +6,12 @@ from .fault import signals
 
 signals.catch()
 
+# Next: a module of the user's that hides PyYAML or numpy (on PYTHONPATH: the working folder is not on
+# the path, hvdtrain/__init__.py) is named in one line before the imports below would run it.
+from .environment import refuse_shadowed  # noqa: E402 - standard library only
+
+refuse_shadowed()
+
 try:
     from .cli import main  # noqa: E402 - after the signals are caught
 except (ImportError, AttributeError) as error:  # the CLI's own imports (PyYAML, numpy) hidden by a user's module?

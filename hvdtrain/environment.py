@@ -5,7 +5,8 @@
   of one's own there hides the installed package, and the import fails deep inside torch or
   hvdtrain (``partially initialized module``, ``has no attribute``). ``shadowed`` names the file
   that hides it and the copy it hides; ``check_dependencies`` looks for the packages a rank
-  imports before any of them is imported, and ``explain`` turns a failed import into that line.
+  imports before any of them is imported (``python -m hvdtrain`` calls it first thing, through
+  ``refuse_shadowed``: such a module never runs), and ``explain`` turns a failed import into that line.
 - **A file or folder this user cannot read** (``PermissionError``): ``permission_line`` names it,
   its owner and mode.
 
@@ -27,6 +28,11 @@ from typing import Sequence
 # The packages a rank imports (pyproject.toml's, torch and Horovod), by module name.
 DEPENDENCIES = ("torch", "torchvision", "horovod", "numpy", "PIL", "yaml", "tensorboardX", "tqdm", "psutil",
                 "simplejpeg")
+
+
+# Those the CLI imports before it runs a command (config/: PyYAML; numpy): refused first thing
+# (``refuse_shadowed``); the others before a command imports them (cli.py, doctor_checks.py).
+CLI_IMPORTS = ("yaml", "numpy")
 
 
 class EnvironmentProblem(Exception):
@@ -200,6 +206,22 @@ def report_import_failure(error: BaseException) -> None:
     line = explain(error)
     if line is None:
         return
+    stop(line)
+
+
+def refuse_shadowed() -> None:
+    """Before the CLI's own imports (CLI_IMPORTS): a module on the path that hides one of them (a
+    ``yaml.py`` in a folder on PYTHONPATH, another user's or not) stops the job in one line before
+    it can be imported, and so before any code in it runs."""
+    try:
+        check_dependencies(CLI_IMPORTS)
+    except EnvironmentProblem as problem:
+        stop(str(problem))
+
+
+def stop(line: str) -> None:
+    """``line`` once per job (ranks other than 0 wait, as outcome.report_error does), the launcher's
+    exit record, and exit 2."""
     from .comm import launcher_env
     from .launch.records import record_exit
 

@@ -15,6 +15,7 @@ import pytest
 
 from hvdtrain.config import PACKAGED_CONFIGS, ConfigError
 from hvdtrain.config.files import resolve_config_path
+from hvdtrain.environment import CLI_IMPORTS
 from tests import users
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,6 +81,25 @@ def test_no_module_in_the_working_folder_is_imported(planted, python_options):
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected.stdout and "epochs: 77" not in result.stdout
     assert marker.read_text() == ""  # neither ./evil.py, ./yaml.py, ./typing_extensions.py nor ./hvdtrain/
+
+
+def test_a_module_on_pythonpath_that_hides_a_dependency_never_runs(planted):
+    """A folder on PYTHONPATH is the user's choice, but a yaml.py another user put there is named in one
+    line before PyYAML's import would run it (it used to run, then fail the import)."""
+    folder, marker = planted
+    users.as_user(users.ATTACKER, "mkdir -m 755 lib && cp yaml.py lib/", cwd=folder)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{folder / 'lib'}:{REPO}", "HVDTRAIN_CACHE": str(folder / "c")}
+    result = subprocess.run([sys.executable, "-P", "-m", "hvdtrain", "--config", "debug", "--print-config"],
+                            cwd=folder / "lib", env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"hvdtrain: error: module 'yaml' is shadowed by {folder / 'lib' / 'yaml.py'} "
+                                    f"(on PYTHONPATH), which hides the installed ") and result.stderr.count("\n") == 1
+    assert marker.read_text() == ""
+    code = ("import sys; before = set(sys.modules); import hvdtrain.cli; from hvdtrain.environment import "
+            "DEPENDENCIES; print(*sorted(name for name in DEPENDENCIES if name in set(sys.modules) - before))")
+    imported = subprocess.run([sys.executable, "-P", "-c", code], env=env | {"PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=120)
+    assert imported.stdout.split() == sorted(CLI_IMPORTS), imported  # the CLI's imports are checked first
 
 
 def test_the_module_run_is_found_past_interpreter_options():
