@@ -29,6 +29,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from tests.shared_ranks import process_state
+
 PACKAGE = Path(__file__).resolve().parents[2] / "hvdtrain"
 # The exit code that asks the client to launch the job for real instead.
 OWN_LAUNCH = 254
@@ -110,6 +112,7 @@ class Job:
         saved_streams, saved_modules = (sys.stdout, sys.stderr), set(sys.modules)
         saved_cores, saved_filters = sorted(os.sched_getaffinity(0)), list(warnings.filters)
         saved_handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS if sig != signal.SIGUSR2}
+        saved_state = process_state.snapshot()
         exits: list[tuple[Callable, tuple, dict]] = []
         register = atexit.register
         atexit.register = lambda func, *a, **k: (exits.append((func, a, k)), func)[1]
@@ -136,6 +139,7 @@ class Job:
             sys.argv, sys.path[:] = saved_argv, saved_path
             forget_modules(set(sys.modules) - saved_modules)
             fresh_process_state(saved_cores, saved_filters)
+            process_state.restore(saved_state)
             stop_forkserver()
             gc.collect()
             release_heap()
