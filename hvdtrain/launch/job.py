@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -69,3 +70,16 @@ def current(env: Mapping[str, str] | None = None) -> Job:
                    int(restart) if restart.isdigit() else 0,
                    env.get(cluster_variable, "").strip() if cluster_variable else "")
     return Job()
+
+
+def resume_hint(run_dir: str | os.PathLike, job: Job | None = None) -> str:
+    """How to resume a run stopped after a checkpoint. Outside a scheduler the same command finds
+    the same folder. A scheduler's requeue keeps the job id and so the folder; a new job has a
+    folder of its own (``runs/<job name>-<job id>``) and continues another job's run only when asked
+    (train/run_folder.py): its output folder and last checkpoint, named."""
+    job = current() if job is None else job
+    if not job.id:
+        return "Resume with the same command (checkpoint.resume=auto)."
+    folder = shlex.quote(os.path.abspath(run_dir))
+    return (f"A requeue of this job resumes it; a new job continues it with output.dir={folder} "
+            f"checkpoint.resume={folder}/checkpoints/last.pt.")

@@ -16,6 +16,7 @@ from ..data.loaders import shutdown_workers
 from ..fault import attempts, signals
 from ..fault.preemption import StopRequest
 from ..launch.job import current as current_job
+from ..launch.job import resume_hint
 from ..observe import tracking
 from ..observe.metrics import MetricSums, MetricsWriter, StepCurves
 from ..observe.rank_logs import write_host_map
@@ -212,13 +213,15 @@ def stop_for_preemption(run: Run, outputs: Outputs, stop: StopRequest, steps: in
     path = dist.broadcast_object(str(path) if path is not None else None, name="hvdtrain.stop_checkpoint")
     line = (f"hvdtrain: stopped by {stop.reason()} in epoch {position.epoch + 1}/{run.cfg.train.epochs} at step "
             f"{position.step_in_epoch}/{steps} (global step {position.step}); checkpoint saved to {path}. "
-            f"Resume with the same command (checkpoint.resume=auto).")
+            f"{resume_hint(run.run_dir)}")
     log(line)
     idle = None
     if dist.is_primary() and position.step == run.started_step:  # not a step trained in this attempt
         idle = attempts.no_progress_line(attempts.read(run.run_dir), position.step,
                                          run.loop_started - signals.STARTED,
                                          attempts.slurm_time_limit(current_job().id))
+        if idle and current_job().id:  # a new job: its own folder, unless told which run it continues
+            idle = f"{idle}. A{resume_hint(run.run_dir).removeprefix('A requeue of this job resumes it; a')}"
     idle = dist.broadcast_object(idle, name="hvdtrain.no_progress")
     if idle:
         log(f"hvdtrain: {idle}")

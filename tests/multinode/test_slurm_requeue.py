@@ -148,7 +148,7 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
     text = log.read_text()
     assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) >= 1, f"{fields}\n{text}"
     # One log for both attempts (--open-mode=append): the stop line, the requeue, the resume.
-    assert "stopped by SIG" in text and "Resume with the same command" in text, text
+    assert "stopped by SIG" in text and "A requeue of this job resumes it" in text, text
     assert "(restart 0)" in text and "(restart 1)" in text and "resumed from" in text, text
     # The batch shell says a stop once (a second signal is absorbed); scancel without --batch goes to
     # srun's step alone.

@@ -15,7 +15,7 @@ import pytest
 from hvdtrain.config import PACKAGED_CONFIGS
 from hvdtrain.config.files import read_config_file
 from hvdtrain.job_config import load_config
-from hvdtrain.launch.job import Job, current
+from hvdtrain.launch.job import Job, current, resume_hint
 from hvdtrain.observe.metrics import MetricsWriter
 from hvdtrain.train import run_folder
 from hvdtrain.train.run_folder import FolderRefused, claim_folder, read_owner
@@ -107,6 +107,15 @@ def test_another_jobs_run_is_continued_only_when_asked(tmp_path):
     held.release()
     owner = read_owner(tmp_path)
     assert owner["job"] == "11" and owner["continues"]["job"] == "10"
+
+
+def test_the_advice_after_a_stop_is_a_command_that_resumes(tmp_path):
+    """Outside a scheduler the same command finds the same folder; a new scheduler job has a folder
+    of its own, and continues this run only when told its folder and checkpoint (as above)."""
+    assert resume_hint(tmp_path, Job()) == "Resume with the same command (checkpoint.resume=auto)."
+    assert resume_hint(tmp_path / "my run", slurm_job("10")) == (
+        f"A requeue of this job resumes it; a new job continues it with output.dir='{tmp_path}/my run' "
+        f"checkpoint.resume='{tmp_path}/my run'/checkpoints/last.pt.")
 
 
 def test_a_folder_without_a_run_or_outside_any_scheduler_is_taken(tmp_path):
