@@ -1,7 +1,7 @@
 """A stop asked for before training can act on it: the scheduler's signals from the first line of
 ``python -m hvdtrain`` on, and the batch scripts' stop file.
 
-A batch system's stop (Slurm's ``--signal=B:TERM@120`` ahead of the time limit, ``scancel
+A batch system's stop (Slurm's ``--signal=B:USR1@120`` ahead of the time limit, ``scancel
 --signal``, a preemption) can come at any moment of a job's life, also while a rank is still
 importing torch, seconds before the training loop installs its own handler
 (fault/preemption.py). SIGUSR1's default action ends the process (Slurm: FAILED 138, not
@@ -100,3 +100,19 @@ def stop_file_signal(env: Mapping[str, str] | None = None) -> str | None:
         return "TERM"  # there but unreadable: it was written to stop us
     name = text.removeprefix("SIG")
     return name if re.fullmatch(r"[A-Z0-9]{2,8}", name) else "TERM"
+
+
+def tell_batch_script(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> None:
+    """The run folder, for a batch script's line on how to continue the run in a new job
+    (hostfiles/slurm/requeue.sh): ``run_dir`` beside ``$HVDTRAIN_STOP_FILE``, in the script's
+    folder that only this user can write to (never through a link); nothing where no script set one."""
+    stop_file = (os.environ if env is None else env).get(STOP_FILE_VARIABLE, "")
+    if not stop_file:
+        return
+    try:
+        descriptor = os.open(os.path.join(os.path.dirname(stop_file), "run_dir"),
+                             os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(os.path.abspath(run_dir))
+    except OSError:
+        pass

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .. import ownership
+from ..fault import signals
 from ..launch.job import Job, current
 from ..ownership import GROUP, PRIVATE, UnsafePath, own_folder
 
@@ -383,6 +384,8 @@ def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object
                 problem = str(refused)
             if held is not None and not existed:
                 held.made.append(path)  # removed again (if still empty) should the start fail
+            if held is not None:
+                signals.tell_batch_script(path)
     if broadcast is not None:
         problem = broadcast(problem)
     if problem and held is not None:

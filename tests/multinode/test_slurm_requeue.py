@@ -1,17 +1,22 @@
 """Slurm stops, requeues and records: the shipped batch scripts on a one-machine Slurm cluster.
 
-Each script is stopped during epoch 1 of 3 (train.sbatch by `scancel --signal=TERM`, which reaches
-the ranks' step; train-horovodrun.sbatch by `scancel --batch --signal=TERM` twice within 100 ms,
-which reaches the batch shell alone, as `#SBATCH --signal=B:TERM@120` does ahead of the time
-limit, and by `scontrol requeue` from outside, which signals the batch shell and the waiting step
-and requeues the job itself). The ranks checkpoint and exit 75, the job is requeued (the script
-says so only when Slurm has it), and it then finishes: COMPLETED with Restarts >= 1, its log
-holding both attempts and no scheduler error, attempts.jsonl both starts and ends, every epoch's
-train record the whole epoch, every metrics record its job and attempt. The srun job writes the
-folder a job gets by default, and a second job on its finished run stops in one line. train.sbatch
-is also stopped twice in its first seconds (a clean 75, a requeue), and once more after the requeue:
-two attempts without a step end the job with the line that says so. A bad data.dir, or a package a file of the user's
-hides, ends the job with hvdtrain's own exit code 2, which is what Slurm records.
+A stop during epoch 1 of 3 does what its sender meant. train.sbatch is cancelled by a plain `scancel
+JOB`: the ranks checkpoint, the job ends CANCELLED and is not requeued, and its log gives the
+command that continues the run, which, submitted, resumes it in the same folder and finishes
+(job.json names the job it continued); another job on that folder, not asked to continue it, stops
+in one line. train-horovodrun.sbatch is stopped by the time-limit signal (`scancel --batch
+--signal=USR1` twice within 100 ms, which reaches the batch shell alone, as `#SBATCH
+--signal=B:USR1@120` does ahead of the limit) and by `scontrol requeue` from outside (which
+signals the batch shell and the waiting step and requeues the job itself): the ranks checkpoint
+and exit 75, the job is requeued (the script says so only when Slurm has it), and it then
+finishes: COMPLETED with Restarts >= 1, its log holding both attempts and no scheduler error,
+attempts.jsonl both starts and ends, every epoch's train record the whole epoch, every metrics
+record its job and attempt. train.sbatch is also stopped twice in its first seconds (a clean 75, a
+requeue), and once more after the requeue: two attempts without a step end the job with the line
+that says so. A bad data.dir, or a package a file of the user's hides, ends the job with
+hvdtrain's own exit code 2, which is what Slurm records. (The other decisions, a preemption, the
+time limit itself, a SIGTERM Slurm does not explain, a slurmctld that does not answer: the script's
+unit tests, tests/unit/test_slurm_requeue_script.py.)
 """
 
 from __future__ import annotations
@@ -91,16 +96,16 @@ def records(path: Path) -> list[dict]:
 
 
 def stop_job(cluster, job: str, how: str) -> None:
-    """``how``: ``steps`` (scancel --signal=TERM: the job's steps), ``batch-twice`` (scancel --batch
-    --signal=TERM twice within 100 ms, as a batch shell and its helper step, or two stops, may
-    send), ``requeue`` (scontrol requeue from outside: Slurm signals the batch shell and the steps,
-    and requeues the job itself)."""
+    """``how``: ``cancel`` (a plain scancel), ``batch-twice`` (scancel --batch --signal=USR1 twice
+    within 100 ms, as the time-limit signal and a stop by hand may come together), ``requeue``
+    (scontrol requeue from outside: Slurm signals the batch shell and the steps, and requeues the job
+    itself)."""
     env = cluster.env()
-    if how == "steps":
-        subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True)
+    if how == "cancel":
+        subprocess.run(["scancel", job], env=env, check=True)
     elif how == "batch-twice":
-        first = subprocess.Popen(["scancel", "--batch", "--signal=TERM", job], env=env)
-        second = subprocess.Popen(["scancel", "--batch", "--signal=TERM", job], env=env)
+        first = subprocess.Popen(["scancel", "--batch", "--signal=USR1", job], env=env)
+        second = subprocess.Popen(["scancel", "--batch", "--signal=USR1", job], env=env)
         assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     else:
         subprocess.run(["scontrol", "requeue", job], env=env, check=True)
@@ -118,18 +123,25 @@ def assert_quiet(text: str, finished: bool = True) -> None:
             assert noise not in last, f"{noise!r} after the last attempt's start:\n{text}"
 
 
-@pytest.mark.parametrize("script, how", [
-    ("train.sbatch", "steps"),
-    ("train-horovodrun.sbatch", "batch-twice"),
-    ("train-horovodrun.sbatch", "requeue"),
-], ids=["srun-term-to-the-steps", "horovodrun-term-twice-to-the-batch-shell", "horovodrun-scontrol-requeue"])
+def check_train_records(run_dir: Path, job: str, attempt: int) -> list[dict]:
+    """Epochs 0-2 trained once each, in whole; every metrics record of the attempt that finished."""
+    metrics = records(run_dir / "metrics.jsonl")
+    val = [r for r in metrics if r["split"] == "val"]
+    assert val[-1]["epoch"] == 2, val
+    train = {r["epoch"]: r for r in metrics if r["split"] == "train"}
+    assert sorted(train) == [0, 1, 2] and all(r["samples"] == 96 for r in train.values()), train
+    # Every record names its job and the attempt that wrote it: the one that finished epoch 1.
+    assert {(r["job"], r["attempt"]) for r in metrics} == {(job, attempt)}, metrics
+    return metrics
+
+
+@pytest.mark.parametrize("how", ["batch-twice", "requeue"],
+                         ids=["horovodrun-time-limit-signal-twice-to-the-batch-shell", "horovodrun-scontrol-requeue"])
 @pytest.mark.slow
-def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slurm_cluster, tiny_data, tmp_path):
-    # srun's job writes the folder a job gets by default (the config names none): runs/<job name>-<job id>.
-    named = script != "train.sbatch"
-    args = TRAIN + [f"data.dir={tiny_data}"] + ([f"output.dir={tmp_path / 'run'}"] if named else [])
-    job = submit(slurm_cluster, script, args, tmp_path)
-    run_dir = tmp_path / "run" if named else tmp_path / "runs" / f"hvdtrain-{job}"  # #SBATCH --job-name=hvdtrain
+def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(how, slurm_cluster, tiny_data, tmp_path):
+    script = "train-horovodrun.sbatch"
+    run_dir = tmp_path / "run"
+    job = submit(slurm_cluster, script, TRAIN + [f"data.dir={tiny_data}", f"output.dir={run_dir}"], tmp_path)
     log = tmp_path / f"slurm-{job}.out"
     wait_until(lambda: (run_dir / "checkpoints" / "step-00000002.pt").exists(), "epoch 1's step 2", 300,
                slurm_cluster, job, log)
@@ -139,7 +151,8 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
     closing = f"hvdtrain: job {job} stopped after a checkpoint (exit 75)"
     wait_until(lambda: closing in log.read_text(), "the stopped attempt's closing line", 90, slurm_cluster, job, log)
     stopped = time.monotonic() - sent
-    said = "requeued already by Slurm (restart 1)" if how == "requeue" else "requeued (restart 1 of at most 20)"
+    said = ("requeued already by Slurm (restart 1)" if how == "requeue"
+            else "at the time-limit signal (SIGUSR1): requeued (restart 1 of at most 20)")
     assert said in log.read_text(), log.read_text()
     assert stopped < 90, f"took {stopped:.0f} s to stop"
     # Nothing of the stopped attempt runs on: no rank, no launcher (their argv names the data folder).
@@ -150,20 +163,13 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
     # One log for both attempts (--open-mode=append): the stop line, the requeue, the resume.
     assert "stopped by SIG" in text and "A requeue of this job resumes it" in text, text
     assert "(restart 0)" in text and "(restart 1)" in text and "resumed from" in text, text
-    # The batch shell says a stop once (a second signal is absorbed); scancel without --batch goes to
-    # srun's step alone.
-    assert text.count("stop signal (SIG") == (0 if how == "steps" else 1), text
-    assert "could not be requeued" not in text and "submit the same command" not in text, text
+    # The batch shell says a stop once (a second signal is absorbed).
+    assert text.count("stop signal (SIG") == 1, text
+    assert "could not be requeued" not in text and "to continue the run" not in text, text
     assert_quiet(text)
-    if script != "train.sbatch":  # the launcher's closing line: rank 0's, with the checkpoint it wrote
-        assert "rank 0: stopped by SIG" in text and f"checkpoint saved to {run_dir}/checkpoints/" in text, text
-    metrics = records(run_dir / "metrics.jsonl")
-    val = [r for r in metrics if r["split"] == "val"]
-    assert val[-1]["epoch"] == 2, val
-    train = {r["epoch"]: r for r in metrics if r["split"] == "train"}
-    assert sorted(train) == [0, 1, 2] and all(r["samples"] == 96 for r in train.values()), train
-    # Every record names its job and the attempt that wrote it: the second, which finished epoch 1.
-    assert {(r["job"], r["attempt"]) for r in metrics} == {(job, 1)}, metrics
+    # The launcher's closing line: rank 0's, with the checkpoint it wrote.
+    assert "rank 0: stopped by SIG" in text and f"checkpoint saved to {run_dir}/checkpoints/" in text, text
+    check_train_records(run_dir, job, 1)
     attempts = records(run_dir / "attempts.jsonl")
     assert [(a["event"], a["job"], a["restart"]) for a in attempts] == [
         ("start", job, 0), ("end", job, 0), ("start", job, 1), ("end", job, 1)], attempts
@@ -174,16 +180,59 @@ def test_a_stopped_job_checkpoints_requeues_itself_and_finishes(script, how, slu
     assert attempts[3]["exit"] == 0 and attempts[3]["reason"] == "finished" and attempts[3]["epoch"] == 3
     owner = json.loads((run_dir / "job.json").read_text())
     assert (owner["scheduler"], owner["job"], owner["restart"]) == ("Slurm", job, 1), owner
-    if not named:
-        # Another job on that finished run: it does not continue it without being asked.
-        second = submit(slurm_cluster, script, TRAIN + [f"data.dir={tiny_data}", f"output.dir={run_dir}",
-                                                        "train.epochs=4"], tmp_path)
-        fields = wait_for_end(slurm_cluster, second, timeout=300)
-        text = (tmp_path / f"slurm-{second}.out").read_text()
-        state = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
-        assert state == ("FAILED", "2:0", "0"), f"{fields}\n{text}"
-        assert f"holds the run of Slurm job {job} (" in text and f"not of this job (Slurm job {second})" in text, text
-        assert len(records(run_dir / "metrics.jsonl")) == len(metrics)  # nothing written
+
+
+@pytest.mark.slow
+def test_a_cancelled_job_keeps_its_checkpoint_and_the_advised_command_continues_it(slurm_cluster, tiny_data,
+                                                                                  tmp_path):
+    """srun's job writes the folder a job gets by default (the config names none):
+    runs/<job name>-<job id>. A plain `scancel` cancels it: not requeued (Slurm would accept a
+    requeue of the job being cancelled, and it would come back PENDING)."""
+    job = submit(slurm_cluster, "train.sbatch", TRAIN + [f"data.dir={tiny_data}"], tmp_path)
+    run_dir = tmp_path / "runs" / f"hvdtrain-{job}"  # #SBATCH --job-name=hvdtrain
+    log = tmp_path / f"slurm-{job}.out"
+    wait_until(lambda: (run_dir / "checkpoints" / "step-00000002.pt").exists(), "epoch 1's step 2", 300,
+               slurm_cluster, job, log)
+    stop_job(slurm_cluster, job, "cancel")
+    closing = f"hvdtrain: job {job} cancelled (scancel) after a checkpoint: not requeued, the checkpoint is kept; "
+    wait_until(lambda: closing in log.read_text(), "the cancelled attempt's closing line", 90, slurm_cluster, job, log)
+    fields = wait_for_end(slurm_cluster, job)
+    text = log.read_text()
+    assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), f"{fields}\n{text}"
+    assert "requeued" not in text.replace("not requeued", ""), text
+    assert training_processes(str(tiny_data)) == {}, "a process of the cancelled attempt is still running"
+    advice = re.search(r"to continue the run: sbatch \[the same options\] (\S+) (.*)$",
+                       text[text.index(closing):].splitlines()[0])
+    assert advice and advice[1] == str(SLURM / "train.sbatch"), text
+    args = advice[2].split(" ")  # no spaces in these paths: printf %q left them as they are
+    assert args[-2:] == [f"output.dir={run_dir}", f"checkpoint.resume={run_dir}/checkpoints/last.pt"], args
+    stopped = records(run_dir / "attempts.jsonl")[-1]
+    assert (stopped["event"], stopped["exit"]) == ("end", 75) and stopped["step"] > 0, stopped
+    # The advised command, submitted: it continues the run in its folder, to the end.
+    second = submit(slurm_cluster, "train.sbatch", args, tmp_path)
+    fields = wait_for_end(slurm_cluster, second)
+    text = (tmp_path / f"slurm-{second}.out").read_text()
+    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "0"), f"{fields}\n{text}"
+    assert "resumed from" in text and f"{run_dir}/checkpoints/last.pt" in text, text
+    assert_quiet(text)
+    metrics = check_train_records(run_dir, second, 1)
+    attempts = records(run_dir / "attempts.jsonl")
+    assert [(a["event"], a["job"], a["restart"]) for a in attempts] == [
+        ("start", job, 0), ("end", job, 0), ("start", second, 0), ("end", second, 0)], attempts
+    assert [a.get("attempt") for a in attempts if a["event"] == "start"] == [0, 1]
+    assert attempts[3]["exit"] == 0 and attempts[3]["reason"] == "finished" and attempts[3]["epoch"] == 3
+    assert (attempts[2]["epoch"], attempts[2]["step"]) == (attempts[1]["epoch"], attempts[1]["step"]), attempts
+    owner = json.loads((run_dir / "job.json").read_text())
+    assert (owner["job"], owner["continues"]["job"]) == (second, job), owner
+    # Another job on that finished run: it does not continue it without being asked.
+    third = submit(slurm_cluster, "train.sbatch", TRAIN + [f"data.dir={tiny_data}", f"output.dir={run_dir}",
+                                                           "train.epochs=4"], tmp_path)
+    fields = wait_for_end(slurm_cluster, third, timeout=300)
+    text = (tmp_path / f"slurm-{third}.out").read_text()
+    state = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
+    assert state == ("FAILED", "2:0", "0"), f"{fields}\n{text}"
+    assert f"holds the run of Slurm job {second} (" in text and f"not of this job (Slurm job {third})" in text, text
+    assert len(records(run_dir / "metrics.jsonl")) == len(metrics)  # nothing written
 
 
 def test_a_stop_in_the_first_seconds_requeues_and_a_job_that_cannot_progress_is_named(slurm_cluster, tiny_data,
@@ -198,8 +247,11 @@ def test_a_stop_in_the_first_seconds_requeues_and_a_job_that_cannot_progress_is_
                                                  "output.progress=false"], tmp_path)
     log = tmp_path / f"slurm-{job}.out"
     for restart in (0, 1):
-        wait_until(lambda: log.exists() and f"(restart {restart})" in log.read_text(), f"attempt {restart}'s start",
-                   300, slurm_cluster, job, log)
+        # The attempt's ranks exist (an interpreter whose argv names the data; srun's is not one):
+        # the batch shell has started srun, and the stop reaches ranks that are starting.
+        wait_until(lambda: log.exists() and f"(restart {restart})" in log.read_text()
+                   and training_processes(str(tiny_data)) != {}, f"attempt {restart}'s ranks", 300,
+                   slurm_cluster, job, log)
         stop_job(slurm_cluster, job, "batch-twice")
     fields = wait_for_end(slurm_cluster, job, timeout=400)
     text = log.read_text()

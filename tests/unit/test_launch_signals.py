@@ -239,6 +239,18 @@ def test_a_stop_during_start_up_is_kept_for_the_loop_or_delivered_again():
     assert released.returncode == -signal.SIGUSR1 and released.stdout == "True\n"
 
 
+def test_the_run_folder_is_told_to_the_batch_script_and_never_through_a_link(tmp_path):
+    env = {signals.STOP_FILE_VARIABLE: str(tmp_path / "stop")}
+    signals.tell_batch_script("runs/x", env)
+    assert (tmp_path / "run_dir").read_text() == str(Path("runs/x").absolute())
+    (tmp_path / "run_dir").unlink()
+    (tmp_path / "elsewhere").write_text("kept")
+    (tmp_path / "run_dir").symlink_to(tmp_path / "elsewhere")
+    signals.tell_batch_script("runs/x", env)
+    assert (tmp_path / "elsewhere").read_text() == "kept"
+    signals.tell_batch_script("runs/x", {})  # no batch script: nothing
+
+
 def test_the_batch_scripts_stop_file_names_the_signal(tmp_path):
     stop = tmp_path / "stop"
     env = {signals.STOP_FILE_VARIABLE: str(stop)}

@@ -13,8 +13,10 @@ from hvdtrain.fault.attempts import exit_of, job_identity
 
 REQUEUE = Path(__file__).resolve().parents[2] / "hostfiles" / "slurm" / "requeue.sh"
 # Exits with $CODE after $TICKS tenths of a second, or with 75 once it gets SIGUSR1 (as the ranks do
-# after their checkpoint), saying each SIGUSR1 it got and what the stop file holds.
+# after their checkpoint), saying each SIGUSR1 it got and what the stop file holds. It writes the run
+# folder into the stop folder, as hvdtrain's rank 0 does.
 COMMAND = """trap 'echo got USR1 >> "$LOG"; stop=1' USR1; echo started >> "$LOG"; stop=0; i=0
+printf '%s' "$RUN_DIR" > "$HVDTRAIN_STOP_DIR/run_dir"
 while ((stop == 0 && i < TICKS)); do
     if [ -n "${READ_STOP_FILE:-}" ] && [ -s "$HVDTRAIN_STOP_FILE" ]; then
         echo "read the stop file" >> "$LOG"; stop=1
@@ -32,8 +34,9 @@ EARLY = ('stop_signal=""; trap \'stop_signal=${stop_signal:-TERM}\' TERM; '
          'trap \'stop_signal=${stop_signal:-USR1}\' USR1; '
          'echo waiting >> "$LOG"; while [ ! -e "$GO" ]; do sleep 0.05 & wait $! || true; done; ')
 # scontrol: records its calls but `show`; `requeue` fails with REQUEUE_FAILS set, else Slurm's restart
-# count goes up by one; `show job` says JobState=$STATE and that count (or $SHOWN_RESTARTS), or
-# nothing with SHOW_SILENT set (a busy slurmctld; "until-requeue": until a requeue was asked).
+# count goes up by one; `show job` says JobState=$STATE, TimeLimit=$TIME_LIMIT, StartTime=$START_TIME,
+# EndTime=$END_TIME, PreemptTime=$PREEMPT_TIME and that count (or $SHOWN_RESTARTS), or nothing with
+# SHOW_SILENT set (a busy slurmctld; "until-requeue": until a requeue was asked).
 SCONTROL = """#!/bin/sh
 if [ "$1" = show ]; then
     if [ "${SHOW_SILENT:-}" = always ] || { [ "${SHOW_SILENT:-}" = until-requeue ] && [ ! -e "$LOG.asked" ]; }; then
@@ -41,7 +44,10 @@ if [ "$1" = show ]; then
     fi
     echo "JobId=42 JobName=x"; echo "   JobState=${STATE:-RUNNING} Reason=None"
     restarts=${SLURM_RESTART_COUNT:-0}; [ -e "$LOG.requeued" ] && restarts=$((restarts + 1))
-    echo "   Requeue=1 Restarts=${SHOWN_RESTARTS:-$restarts} BatchFlag=1 Reboot=0 ExitCode=0:0"; exit 0
+    echo "   Requeue=1 Restarts=${SHOWN_RESTARTS:-$restarts} BatchFlag=1 Reboot=0 ExitCode=0:0"
+    echo "   RunTime=00:01:00 TimeLimit=${TIME_LIMIT:-UNLIMITED} TimeMin=N/A"
+    echo "   StartTime=${START_TIME:-2026-11-29T08:00:00} EndTime=${END_TIME:-Unknown} Deadline=N/A"
+    echo "   PreemptEligibleTime=2026-11-29T08:00:00 PreemptTime=${PREEMPT_TIME:-None}"; exit 0
 fi
 echo "scontrol $*" >> "$LOG"
 [ "$1" = requeue ] && touch "$LOG.asked"
@@ -57,7 +63,8 @@ def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | No
     scontrol.write_text(SCONTROL)
     scontrol.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "LOG": str(tmp_path / "log"),
-           "answer_pause": "0.01", "CODE": str(code), "TICKS": str(ticks), "GO": str(tmp_path / "go"), **extra}
+           "answer_pause": "0.01", "CODE": str(code), "TICKS": str(ticks), "GO": str(tmp_path / "go"),
+           "RUN_DIR": str(tmp_path / "runs" / "hvdtrain 42"), **extra}
     if restarts is not None:
         env["SLURM_RESTART_COUNT"] = str(restarts)
     if most is not None:
@@ -65,6 +72,7 @@ def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | No
     command = tmp_path / "command.sh"
     command.write_text(COMMAND + "\n")
     script = (f'set -euo pipefail; {EARLY if early else ""}source "{REQUEUE}"; '
+              f'job_script=train.sbatch job_args=" --config debug"; '
               f'forward_after={forward_after} run_and_requeue USR1 bash "{command}"')
     return subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -74,34 +82,101 @@ def log(tmp_path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_a_stop_signal_reaches_the_command_and_a_75_requeues_the_job(tmp_path):
-    shell = start(tmp_path, code=0)
-    deadline = time.monotonic() + 10
-    while "started" not in log(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    shell.send_signal(signal.SIGTERM)  # as Slurm's --signal=B:TERM@120 or scancel --batch do
-    _, err = shell.communicate(timeout=30)
-    assert shell.returncode == 0, err
-    assert log(tmp_path) == ["started", "got USR1", "stop file: TERM", "scontrol requeue 42"]
-    assert "requeued (restart 1 of at most 20)" in err
-
-
 def wait_for_log(tmp_path: Path, line: str, shell: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 10
-    while line not in log(tmp_path):
+    """Wait for ``line`` in the log, and for the batch shell to have trapped both stop signals (it
+    sets its traps just after starting the command, which may write first)."""
+    deadline = time.monotonic() + 30
+    wanted = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+    while line not in log(tmp_path) or int(status(shell.pid).get("SigCgt", "0"), 16) & wanted != wanted:
         assert time.monotonic() < deadline and shell.poll() is None, (log(tmp_path), shell.poll())
         time.sleep(0.02)
+
+
+def status(pid: int) -> dict[str, str]:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def stopped(tmp_path: Path, sent: signal.Signals, **extra: str) -> tuple[int, str, list[str]]:
+    """The batch shell's exit code, its stderr and the log, after ``sent`` reached it while the
+    command ran (code 0 unless stopped)."""
+    shell = start(tmp_path, code=0, **extra)
+    wait_for_log(tmp_path, "started", shell)
+    shell.send_signal(sent)
+    _, err = shell.communicate(timeout=30)
+    return shell.returncode, err, log(tmp_path)
+
+
+def continue_hint(tmp_path: Path) -> str:
+    folder = f"{tmp_path}/runs/hvdtrain\\ 42"  # printf %q's quoting of the space
+    return (f"to continue the run: sbatch [the same options] train.sbatch --config debug output.dir={folder} "
+            f"checkpoint.resume={folder}/checkpoints/last.pt")
+
+
+def test_the_time_limit_signal_reaches_the_command_and_a_75_requeues_the_job(tmp_path):
+    code, err, lines = stopped(tmp_path, signal.SIGUSR1)  # as Slurm's --signal=B:USR1@120 does
+    assert code == 0, err
+    assert lines == ["started", "got USR1", "stop file: USR1", "scontrol requeue 42"]
+    assert "at the time-limit signal (SIGUSR1): requeued (restart 1 of at most 20)" in err, err
+
+
+def test_a_plain_scancel_cancels_and_says_how_to_continue(tmp_path):
+    """`scancel JOB`: Slurm signals the batch shell with SIGTERM and shows the job COMPLETING, its
+    EndTime the cancel's, before its time limit is up (or with none); a requeue would bring it back
+    (Slurm accepts one), so none is asked for."""
+    for limit in ("00:15:00", "UNLIMITED"):
+        for name in ("log", "log.asked", "log.requeued"):
+            (tmp_path / name).unlink(missing_ok=True)
+        code, err, lines = stopped(tmp_path, signal.SIGTERM, STATE="COMPLETING", TIME_LIMIT=limit,
+                                   END_TIME="2026-11-29T08:01:00")
+        assert code == 75, err
+        assert lines == ["started", "got USR1", "stop file: TERM"]  # no scontrol requeue
+        assert (f"hvdtrain: job 42 cancelled (scancel) after a checkpoint: not requeued, the checkpoint is kept; "
+                f"{continue_hint(tmp_path)}") in err, err
+    # Cancelled after the time-limit signal came: cancelled all the same.
+    (tmp_path / "log").unlink()
+    code, err, lines = stopped(tmp_path, signal.SIGUSR1, STATE="COMPLETING", END_TIME="2026-11-29T08:01:00")
+    assert code == 75 and "cancelled (scancel)" in err and "scontrol requeue 42" not in lines, (err, lines)
+
+
+def test_a_term_that_slurm_does_not_explain_stops_without_a_requeue(tmp_path):
+    """`scancel --batch --signal=TERM` (or a kill): the job runs on as far as Slurm says, nothing asked
+    for a requeue."""
+    code, err, lines = stopped(tmp_path, signal.SIGTERM)
+    assert code == 75, err
+    assert lines == ["started", "got USR1", "stop file: TERM"]
+    assert ("hvdtrain: job 42 stopped after a checkpoint (exit 75) by SIGTERM, which asks for no requeue (the "
+            "time-limit signal SIGUSR1, a preemption or `scontrol requeue` do): not requeued; "
+            f"{continue_hint(tmp_path)}") in err, err
+
+
+def test_a_preemption_and_the_time_limit_requeue(tmp_path):
+    # A preemption with a grace time: Slurm sends SIGTERM and shows PreemptTime, and requeues the
+    # job only when the grace time is over (or cancels it, PreemptMode=CANCEL): requeued now.
+    code, err, lines = stopped(tmp_path, signal.SIGTERM, PREEMPT_TIME="2026-11-29T08:01:02")
+    assert code == 0 and lines[-1] == "scontrol requeue 42", (err, lines)
+    assert "at a preemption: requeued (restart 1 of at most 20)" in err, err
+    for name in ("log", "log.asked", "log.requeued"):
+        (tmp_path / name).unlink(missing_ok=True)
+    # The limit itself (no lead signal, or too short a one): ending at StartTime + TimeLimit.
+    code, err, lines = stopped(tmp_path, signal.SIGTERM, STATE="COMPLETING", TIME_LIMIT="1-00:15:00",
+                               END_TIME="2026-11-30T08:15:00")
+    assert code == 0 and lines[-1] == "scontrol requeue 42", (err, lines)
+    assert "at the time limit: requeued (restart 1 of at most 20)" in err, err
 
 
 def test_a_repeated_stop_signal_is_absorbed(tmp_path):
     shell = start(tmp_path, code=0)
     wait_for_log(tmp_path, "started", shell)
-    shell.send_signal(signal.SIGTERM)  # twice within 100 ms: the helper step's and Slurm's, say
-    shell.send_signal(signal.SIGTERM)
+    shell.send_signal(signal.SIGUSR1)  # twice within 100 ms: the helper step's and Slurm's, say
+    shell.send_signal(signal.SIGUSR1)
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0, err
-    assert log(tmp_path) == ["started", "got USR1", "stop file: TERM", "scontrol requeue 42"]
-    assert err.count("stop signal (SIGTERM) received") == 1, err
+    assert log(tmp_path) == ["started", "got USR1", "stop file: USR1", "scontrol requeue 42"]
+    assert err.count("stop signal (SIGUSR1) received") == 1, err
 
 
 def test_a_stop_while_the_ranks_start_reaches_them_through_the_stop_file_alone(tmp_path):
@@ -109,66 +184,75 @@ def test_a_stop_while_the_ranks_start_reaches_them_through_the_stop_file_alone(t
     the ranks' first minute (forward_after) the stop file alone tells them."""
     shell = start(tmp_path, code=0, forward_after=60, READ_STOP_FILE="1")
     wait_for_log(tmp_path, "started", shell)
-    shell.send_signal(signal.SIGTERM)
+    shell.send_signal(signal.SIGUSR1)
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0, err
-    assert log(tmp_path) == ["started", "read the stop file", "stop file: TERM", "scontrol requeue 42"]
-    assert "stop signal (SIGTERM) received while the ranks start: they read it from the stop file" in err
+    assert log(tmp_path) == ["started", "read the stop file", "stop file: USR1", "scontrol requeue 42"]
+    assert "stop signal (SIGUSR1) received while the ranks start: they read it from the stop file" in err
 
 
 def test_a_stop_before_the_ranks_start_requeues_with_nothing_started(tmp_path):
     shell = start(tmp_path, code=0, early=True)
     wait_for_log(tmp_path, "waiting", shell)
-    shell.send_signal(signal.SIGTERM)
-    shell.send_signal(signal.SIGTERM)
+    shell.send_signal(signal.SIGUSR1)
+    shell.send_signal(signal.SIGUSR1)
     (tmp_path / "go").touch()
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0, err
     assert log(tmp_path) == ["waiting", "scontrol requeue 42"]  # the command never started
-    assert "stop signal (SIGTERM) received before the ranks started: nothing to checkpoint, ending with 75" in err
+    assert "stop signal (SIGUSR1) received before the ranks started: nothing to checkpoint, ending with 75" in err
     assert "requeued (restart 1 of at most 20)" in err
 
 
 def test_requeued_is_said_when_slurm_has_the_job_requeued_and_only_then(tmp_path):
-    # scontrol requeue from outside: Slurm counts the restart at once (the job shows COMPLETING until
-    # this attempt ends, then PENDING), and requeuing it again would fail.
+    # scontrol requeue from outside (or a preemption, a node failure with requeue): Slurm counts the
+    # restart at once (the job shows COMPLETING until this attempt ends, then PENDING), and requeuing
+    # it again would fail.
     shell = start(tmp_path, code=75, ticks=1, STATE="COMPLETING", SHOWN_RESTARTS="1")
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0, err
     assert "requeued already by Slurm (restart 1); it resumes from the checkpoint" in err
-    assert "could not be requeued" not in err and "submit the same command" not in err
+    assert "could not be requeued" not in err and "to continue the run" not in err
     assert not any(line.startswith("scontrol requeue") for line in log(tmp_path))
     # And at the cap: Slurm has it anyway.
     shell = start(tmp_path, code=75, ticks=1, restarts=3, most=3, STATE="COMPLETING", SHOWN_RESTARTS="4")
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0 and "requeued already by Slurm (restart 4)" in err, err
+    # A requeue Slurm refuses (#SBATCH --no-requeue): said, with the way to continue.
     (tmp_path / "log").unlink()
-    shell = start(tmp_path, code=75, ticks=1, REQUEUE_FAILS="scontrol: error: Job has already finished",
-                  STATE="CANCELLED")
+    shell = start(tmp_path, code=75, ticks=1, REQUEUE_FAILS="scontrol: error: Requeue of job 42 not allowed",
+                  STATE="TIMEOUT")
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 75
-    assert ("could not be requeued (scontrol: error: Job has already finished: a cancelled job, or "
-            "#SBATCH --no-requeue); submit the same command to continue") in err and "requeued already" not in err
+    assert ("at the time limit and could not be requeued (scontrol: error: Requeue of job 42 not allowed: a "
+            f"cancelled job, or #SBATCH --no-requeue); {continue_hint(tmp_path)}") in err, err
+    assert "requeued already" not in err
 
 
 def test_a_slurmctld_too_busy_to_answer_gives_no_false_word(tmp_path):
     # Requeued from outside while slurmctld is too busy to show the job: the script's own requeue
-    # fails as Slurm's does for a job requeued already, and the next look shows the restart.
-    shell = start(tmp_path, code=75, ticks=1, SHOW_SILENT="until-requeue", SHOWN_RESTARTS="1",
-                  REQUEUE_FAILS="Job is pending execution for job 42")
-    _, err = shell.communicate(timeout=30)
-    assert shell.returncode == 0, err
+    # (for the time-limit signal) fails as Slurm's does for a job requeued already, and the next
+    # look shows the restart.
+    code, err, _ = stopped(tmp_path, signal.SIGUSR1, SHOW_SILENT="until-requeue", SHOWN_RESTARTS="1",
+                           REQUEUE_FAILS="Job is pending execution for job 42")
+    assert code == 0, err
     assert "requeued already by Slurm (restart 1); it resumes from the checkpoint" in err, err
-    assert "could not be requeued" not in err and "submit the same command" not in err, err
+    assert "could not be requeued" not in err and "to continue the run" not in err, err
     # No answer at all: neither "requeued" nor "could not be requeued", and the way to find out.
     for name in ("log", "log.asked"):
         (tmp_path / name).unlink(missing_ok=True)
-    shell = start(tmp_path, code=75, ticks=1, SHOW_SILENT="always")
-    _, err = shell.communicate(timeout=30)
-    assert shell.returncode == 75, err
-    assert ("Slurm did not answer whether it is requeued (scontrol requeue: asked): see Restarts= in "
-            "`scontrol show job 42` before you submit the same command to continue") in err, err
+    code, err, _ = stopped(tmp_path, signal.SIGUSR1, SHOW_SILENT="always")
+    assert code == 75, err
+    assert ("at the time-limit signal (SIGUSR1); Slurm did not answer whether it is requeued (scontrol requeue: "
+            "asked): see Restarts= in `scontrol show job 42`; if it is not, to continue the run") in err, err
     assert "requeued (restart" not in err and "could not be requeued" not in err, err
+    # A SIGTERM Slurm does not explain: a cancel is as likely as a preemption, and a requeue of a
+    # cancelled job would bring it back: none.
+    for name in ("log", "log.asked"):
+        (tmp_path / name).unlink(missing_ok=True)
+    code, err, lines = stopped(tmp_path, signal.SIGTERM, SHOW_SILENT="always")
+    assert code == 75 and not any(line.startswith("scontrol") for line in lines), (err, lines)
+    assert "Slurm did not answer what stopped it (a cancel, a preemption?): not requeued; see `scontrol" in err, err
 
 
 def test_other_codes_are_not_requeued_and_are_the_jobs_own(tmp_path):
@@ -181,11 +265,12 @@ def test_other_codes_are_not_requeued_and_are_the_jobs_own(tmp_path):
 
 
 def test_the_requeues_are_capped(tmp_path):
-    shell = start(tmp_path, code=75, restarts=3, most=3, ticks=1)
+    shell = start(tmp_path, code=75, restarts=3, most=3, ticks=1, STATE="TIMEOUT")
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 75
     assert not any(line.startswith("scontrol") for line in log(tmp_path))
-    assert "requeued 3 times already (HVDTRAIN_MAX_REQUEUES=3): not requeued again" in err
+    assert ("at the time limit and was requeued 3 times already (HVDTRAIN_MAX_REQUEUES=3): not requeued again; "
+            "to continue the run") in err, err
 
 
 def test_attempt_records_name_the_job_and_the_exit():
