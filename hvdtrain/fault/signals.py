@@ -48,12 +48,17 @@ def _record(signum: int, _frame: Any) -> None:
 
 
 def catch() -> None:
-    """From now on, SIGTERM, SIGUSR1 and a first SIGINT are recorded instead of ending the process."""
+    """From now on, SIGTERM, SIGUSR1 and a first SIGINT are recorded instead of ending the process:
+    whatever this process was started with (a handler set to ignore them is replaced too), and then
+    the signals are unblocked. The batch scripts start the ranks with them blocked (``env
+    --block-signal``), so that one sent before this line waits, pending, for the handler instead of
+    ending the interpreter at its start."""
     if _before:
         return
     mark_helpers()
     for sig in STOP_SIGNALS:
         _before[sig] = signal.signal(sig, _record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def mark_helpers() -> None:

@@ -259,3 +259,43 @@ def test_the_batch_scripts_stop_file_names_the_signal(tmp_path):
     assert signals.stop_file_signal(env) == "USR1"
     stop.write_text("$(rm -rf /)")
     assert signals.stop_file_signal(env) == "TERM"
+
+
+def test_a_term_the_moment_a_rank_starts_waits_for_its_handler(tmp_path):
+    """A SIGTERM sent the moment the process exists (Popen has returned: the interpreter has not run
+    a line). Started bare, the interpreter ends on it; started with the stop signals blocked, as the
+    batch scripts start hvdtrain (``env --block-signal=TERM,USR1``; here the test blocks them too,
+    for the instant before env does), the signal waits until hvdtrain's first line has installed
+    its handler and unblocked them: the run stops at its first step with a checkpoint, exit 75."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HVDTRAIN_CACHE": str(tmp_path / "cache")}
+    env.pop("HVDTRAIN_STOP_FILE", None)
+    train = [sys.executable, "-m", "hvdtrain", "--config", "debug", "data.synthetic=true", "train.epochs=1"]
+    bare = subprocess.Popen([*train, f"output.dir={tmp_path / 'bare'}"], env=env, stderr=subprocess.PIPE, text=True)
+    bare.send_signal(signal.SIGTERM)
+    assert bare.wait(timeout=60) == -signal.SIGTERM  # the window the blocked start closes
+    bare.stderr.close()
+    blocked = ["env", "--block-signal=TERM,USR1"]
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    try:
+        rank = subprocess.Popen([*blocked, *train, f"output.dir={tmp_path / 'run'}"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    rank.send_signal(signal.SIGTERM)
+    output, _ = rank.communicate(timeout=300)
+    assert rank.returncode == 75, output
+    stop_line = "hvdtrain: stopped by SIGTERM in epoch 1/1 at step 0/4 (global step 0); checkpoint saved to"
+    assert stop_line in output, output
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+    # env blocks both for what it starts (the kernel's SigBlk: bit 14 SIGTERM, bit 9 SIGUSR1)...
+    shown = subprocess.run([*blocked, "grep", "SigBlk", "/proc/self/status"], capture_output=True, text=True)
+    mask = int(shown.stdout.split()[1], 16)
+    assert mask & (1 << (signal.SIGTERM - 1)) and mask & (1 << (signal.SIGUSR1 - 1)), shown.stdout
+    # ... and hvdtrain unblocks them, whatever it was started with: handlers set over an ignored
+    # signal too, and the children it starts (loader workers) get no blocked mask.
+    shown = subprocess.run([*blocked, "env", "--ignore-signal=TERM", sys.executable, "-c",
+                            "from hvdtrain.fault import signals; import signal; signals.catch(); "
+                            "print(signal.getsignal(signal.SIGTERM).__name__, "
+                            "signal.pthread_sigmask(signal.SIG_BLOCK, []))"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert shown.stdout.strip() == "_record set()", shown
