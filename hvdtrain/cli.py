@@ -166,6 +166,7 @@ examples:
 
 Every config key, its type, default and meaning: {CONFIG_DOC}
 A command's own options: python -m hvdtrain COMMAND --help (or python -m hvdtrain help COMMAND)
+This install's version: python -m hvdtrain --version
 """
 
 
@@ -180,6 +181,17 @@ def cmd_help(argv: list[str]) -> int:
         return COMMANDS[argv[0]](["--help"])
     except SystemExit as done:  # argparse exits after printing the help
         return done.code if isinstance(done.code, int) else 0
+
+
+VERSION_WORDS = ("--version", "-V")
+
+
+def cmd_version(argv: list[str]) -> int:
+    """``--version``: hvdtrain's version, and where this install is (a shared one, a checkout)."""
+    from . import __version__
+
+    print(f"hvdtrain {__version__} ({Path(__file__).resolve().parent}, Python {sys.version.split()[0]})")
+    return 0
 
 
 def unknown_command(word: str) -> str:
@@ -201,6 +213,8 @@ def pick_command(argv: list[str]) -> tuple[Callable[[list[str]], int], list[str]
         return COMMANDS[first], rest
     if first in HELP_WORDS:
         return cmd_help, rest
+    if first in VERSION_WORDS:
+        return cmd_version, rest
     if looks_like_command(first):
         raise UsageError(unknown_command(first))
     return cmd_train, argv

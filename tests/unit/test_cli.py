@@ -58,6 +58,16 @@ def test_help_lists_every_command_and_how_to_train(argv, capsys):
     assert "docs/config.md" in out
 
 
+def test_version_says_the_version_and_the_install(capsys):
+    import hvdtrain
+
+    for word in ("--version", "-V"):
+        assert cli.main([word]) == 0
+        out = capsys.readouterr().out
+        assert out == (f"hvdtrain {hvdtrain.__version__} ({Path(hvdtrain.__file__).resolve().parent}, "
+                       f"Python {sys.version.split()[0]})\n"), out
+
+
 def test_help_names_every_train_option():
     # The overview's train section is written by hand: it must not fall behind train_parser.
     overview = cli.overview()
