@@ -30,7 +30,7 @@ SCHEDULERS = (
 @dataclass(frozen=True)
 class Job:
     scheduler: str = ""         # "Slurm", "PBS", ...; "" outside a scheduler
-    id: str | None = None       # the job id (with its array index where the scheduler keeps it apart)
+    id: str | None = None       # the job id; a task of an array job: <array job id>_<task> (Slurm's 25_1)
     name: str = ""              # the job's name as the user gave it (sbatch -J, the script's name)
     restart: int | None = None  # times the scheduler requeued it (Slurm's SLURM_RESTART_COUNT)
     cluster: str = ""
@@ -65,6 +65,9 @@ def current(env: Mapping[str, str] | None = None) -> Job:
         index = env.get(index_variable, "").strip() if index_variable else ""
         if index and index not in ("0", "undefined"):
             job_id = f"{job_id}_{index}"
+        array, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
+        if scheduler == "Slurm" and array and task:  # each task has a job id of its own too; this is its name
+            job_id = f"{array}_{task}"
         restart = env.get("SLURM_RESTART_COUNT", "") if scheduler == "Slurm" else ""
         return Job(scheduler, job_id, env.get(name_variable, "").strip(),
                    int(restart) if restart.isdigit() else 0,

@@ -29,6 +29,8 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train.sbatch", "SLURM_RESTAR
     (SLURM, Job("Slurm", "4242", "train.sbatch", 1, "c1")),
     ({"PBS_JOBID": "77.server", "PBS_JOBNAME": "rn50"}, Job("PBS", "77.server", "rn50", 0, "")),
     ({"LSB_JOBID": "9", "LSB_JOBNAME": "a", "LSB_JOBINDEX": "3"}, Job("LSF", "9_3", "a", 0, "")),
+    ({"SLURM_JOB_ID": "26", "SLURM_ARRAY_JOB_ID": "25", "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_NAME": "a"},
+     Job("Slurm", "25_1", "a", 0, "")),
     ({"JOB_ID": "5", "JOB_NAME": "b", "SGE_TASK_ID": "undefined"}, Job("SGE", "5", "b", 0, "")),
     ({}, Job()),
 ])
