@@ -117,7 +117,7 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
                 undo.callback(claim.abandon)  # nothing of the run written yet: the folder as it was
             log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}"
                 + sharing_note(Path(cfg.output.dir), cfg.output.share)
-                + (f" ({claim.job.label()}, attempt {claim.attempt + 1} on this folder)"
+                + (f" ({claim.job.label()}, attempt {claim.attempt} on this folder)"
                    if claim is not None and claim.job.id else ""))
             for note in claim.notes if claim is not None else ():
                 log(note)
