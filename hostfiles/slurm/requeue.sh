@@ -60,6 +60,39 @@ prepare_stop_file() {
     trap "rm -rf '$HVDTRAIN_STOP_DIR'" EXIT
 }
 
+# dist.engine=torch: rank 0's host and a port of this job's own for torch.distributed's rendezvous,
+# exported for the ranks (a port shared by two jobs on a node stops the second). The host: the
+# allocation's first node, where this shell runs and where srun and horovodrun place rank 0. The
+# port: derived from the job id (15000 + id % 15000), else the first of the next 99 that this node
+# lets bind. A MASTER_ADDR or MASTER_PORT of the user's is kept.
+export_master() {
+    local first port=""
+    if [[ -z ${MASTER_ADDR:-} ]]; then
+        first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -1) || first=""
+        export MASTER_ADDR=${first:-$(hostname -s)}
+    fi
+    [[ -z ${MASTER_PORT:-} ]] || return 0
+    if [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]]; then
+        port=$("$PYTHON" -I -S -c '
+import socket, sys
+for i in range(100):
+    port = 15000 + (int(sys.argv[1]) + i) % 15000
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            continue
+    print(port)
+    break' "$SLURM_JOB_ID" 2>/dev/null) || port=""
+    fi
+    if [[ -n $port ]]; then
+        export MASTER_PORT=$port
+    else
+        echo "hvdtrain: job ${SLURM_JOB_ID:-?}: no free port found for MASTER_PORT (dist.engine=torch needs one):" \
+            "export MASTER_PORT=<a free port> before sbatch" >&2
+    fi
+}
+
 # What Slurm says of the job now (`scontrol show job`): sets shown_restarts (how many times Slurm
 # has requeued it: one more than the attempt's own SLURM_RESTART_COUNT once it is requeued, by this
 # script or by whoever stopped it, while this attempt is still ending), shown_preempt (PreemptTime:

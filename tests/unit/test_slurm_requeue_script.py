@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ EARLY = ('stop_signal=""; trap \'stop_signal=${stop_signal:-TERM}\' TERM; '
 # EndTime=$END_TIME, PreemptTime=$PREEMPT_TIME and that count (or $SHOWN_RESTARTS), or nothing with
 # SHOW_SILENT set (a busy slurmctld; "until-requeue": until a requeue was asked).
 SCONTROL = """#!/bin/sh
+if [ "$1 $2" = "show hostnames" ]; then echo node7; echo node8; exit 0; fi
 if [ "$1" = show ]; then
     if [ "${SHOW_SILENT:-}" = always ] || { [ "${SHOW_SILENT:-}" = until-requeue ] && [ ! -e "$LOG.asked" ]; }; then
         echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1
@@ -271,6 +274,43 @@ def test_the_requeues_are_capped(tmp_path):
     assert not any(line.startswith("scontrol") for line in log(tmp_path))
     assert ("at the time limit and was requeued 3 times already (HVDTRAIN_MAX_REQUEUES=3): not requeued again; "
             "to continue the run") in err, err
+
+
+def master(tmp_path: Path, job: str, **extra: str) -> list[str]:
+    """MASTER_ADDR and MASTER_PORT as export_master leaves them for job ``job``."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(SCONTROL)
+    scontrol.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MASTER_")}
+    env.update({"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "node[7-8]",
+                "PYTHON": sys.executable, "LOG": str(tmp_path / "log"), **extra})
+    shown = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{REQUEUE}"; export_master; '
+                            'echo "$MASTER_ADDR $MASTER_PORT"'], env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout.split()
+
+
+def test_each_job_gets_a_free_port_of_its_own(tmp_path):
+    """dist.engine=torch's rendezvous: rank 0's host, and a port derived from the job id, checked
+    free on this node; two jobs whose ids give the same port get two."""
+    def bindable(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                return False
+        return True
+
+    with socket.socket() as held:  # the port job 4242 would get, held by another job
+        held.bind(("", 15000 + 4242))
+        held.listen()
+        taken = master(tmp_path, "4242")
+        expected = next(port for port in range(15000 + 4243, 15000 + 4342) if bindable(port))
+        assert taken == ["node7", str(expected)]
+        other = master(tmp_path, str(15000 + 4242))  # derives the same port as 4242: also the next free one
+        assert other == ["node7", str(expected)] and bindable(expected)
+    assert master(tmp_path, "4242") == ["node7", str(15000 + 4242)]  # free again
+    assert master(tmp_path, "4242", MASTER_ADDR="head", MASTER_PORT="31000") == ["head", "31000"]  # the user's
 
 
 def test_attempt_records_name_the_job_and_the_exit():
