@@ -17,8 +17,11 @@ setup:
 	@EXTRAS="$(EXTRAS)" HVDTRAIN_ENGINE="$(ENGINE)" HVDTRAIN_VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" bash scripts/setup.sh
 
 ifeq ($(ENGINE),torch)
+# The torch engine admits only ranks that know the job's secret (docs/security.md): one per run,
+# in the environment, never on a command line.
 demo: setup
-	$(PY) -P -m torch.distributed.run --nproc_per_node $(NP) -m hvdtrain --config demo dist.engine=torch $(ARGS)
+	export HVDTRAIN_JOB_SECRET=$$($(PY) -c 'import secrets; print(secrets.token_hex(32))'); \
+		$(PY) -P -m torch.distributed.run --nproc_per_node $(NP) -m hvdtrain --config demo dist.engine=torch $(ARGS)
 else
 demo: setup
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
