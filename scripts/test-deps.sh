@@ -5,6 +5,8 @@
 #                       (tests/multinode/test_slurm.py)
 #   openssh-server      the two "machines" node0/node1 (tests/multinode/conftest.py); setup.sh
 #                       installs it too, it is repeated here so the tests never depend on that
+#   iproute2, util-linux  node0/node1 in network namespaces over a tbf-limited veth link (ip, tc;
+#                       unshare, nsenter, taskset: tests/multinode/netns.py)
 #
 #   podman, debootstrap only with the argument `image` (make test-image): build the docker image
 #                       without Docker or a registry (docker/build-local.sh) and run it via chroot
@@ -28,7 +30,7 @@ if [[ ! -f $stamp_file || $(cat "$stamp_file") != "$stamp" ]]; then
     echo "$stamp" >"$stamp_file"
 fi
 
-packages=(slurm-wlm munge openssh-server openssh-client)
+packages=(slurm-wlm munge openssh-server openssh-client iproute2 util-linux)
 [[ ${1:-} != image ]] || packages=(podman debootstrap)
 missing=()
 for pkg in "${packages[@]}"; do
