@@ -6,6 +6,8 @@ resolve per node (each its own hosts file and host name), a cable that can be pu
 
 from __future__ import annotations
 
+from tests.helpers import PROBE, REFERENCE_ARGS, assert_matches_one_rank, launch, tiny
+
 from .conftest import NET_RATE
 from .netns import ADDRESSES, rate_bits
 
@@ -26,3 +28,14 @@ def test_the_link_runs_at_the_rate_it_was_set_to_and_each_node_is_its_own_machin
     assert lines[4] == "node1" and lines[5].endswith(f"affinity list: {cores['node1']}")
     client, _, server, port = lines[6].split()  # ssh node1 went over the link, by name
     assert (client, server, port) == (ADDRESSES["node0"], ADDRESSES["node1"], "22")
+
+
+def test_two_nodes_over_a_limited_link_reproduce_one_rank(net_nodes, tiny_data, tmp_path):
+    before = net_nodes.accepted_logins()
+    result = net_nodes.horovodrun([str(PROBE), str(tmp_path / "two")]
+                                  + tiny(tiny_data, tmp_path / "run2", "train.batch_size=4", *REFERENCE_ARGS), tmp_path)
+    assert "2 ranks on 2 host(s)" in result.stdout
+    assert net_nodes.accepted_logins()["node1"] > before["node1"]  # node1's rank came over ssh
+    launch("single", 1, [str(PROBE), str(tmp_path / "one")]
+           + tiny(tiny_data, tmp_path / "run1", "train.batch_size=8", *REFERENCE_ARGS), tmp_path)
+    assert_matches_one_rank(tmp_path / "one", tmp_path / "run1", tmp_path / "two", tmp_path / "run2")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PROBE, launch, read_metrics, tb_scalars, tiny
+from tests.helpers import PROBE, REFERENCE_ARGS, assert_matches_one_rank, launch, read_metrics, tb_scalars, tiny
 
 
 def load_ranks(out: Path, size: int) -> list[dict]:
@@ -93,41 +93,15 @@ def test_distributed_validation_equals_single_process_evaluation(tiny_data, tmp_
 
 @pytest.mark.parametrize("buckets", ["dist.bucket_mb=0", "dist.bucket_mb=25"], ids=["cycle-fusion", "buckets"])
 def test_n_ranks_reproduce_one_rank_with_n_times_the_batch(buckets, tiny_data, tmp_path):
-    # 2 ranks x 4 images must take the same optimizer steps as 1 rank x 8: the same global batches
-    # in the same order, BatchNorm statistics over the global batch (SyncBN), averaged gradients.
-    # Tiny BatchNorm batches make this network chaotic: float32 rounding (which depends on the
-    # processor and the thread count) grows about 5x per step, so the comparison runs in float64,
-    # where rounding starts ~1e-9 times smaller. Momentum and weight decay stay on, over steps that
-    # cross an epoch boundary. Measured on a 2-core AMD EPYC: parameters agree to 3.3e-13 (float64);
-    # the same run in float32 is 1.2e-2 apart, and without SyncBN 2.3 apart. The tolerance (atol
-    # 1e-9) leaves a margin of ~3,000 below it and ~1e9 above it for broken semantics.
-    common = ["model.sync_bn=true", "model.dtype=float64", "data.augment=false", "train.epochs=2",
-              "train.steps_per_epoch=3", "optim.base_lr=0.1", "optim.momentum=0.9", "optim.weight_decay=1e-4",
-              buckets]
+    # 2 ranks x 4 images must take the same optimizer steps as 1 rank x 8 (tests/helpers.py says how
+    # close, and why in float64).
     launch("horovodrun-gloo", 2, [str(PROBE), str(tmp_path / "two")]
-           + tiny(tiny_data, tmp_path / "run2", "train.batch_size=4", *common), tmp_path)
+           + tiny(tiny_data, tmp_path / "run2", "train.batch_size=4", *REFERENCE_ARGS, buckets), tmp_path)
     launch("single", 1, [str(PROBE), str(tmp_path / "one")]
-           + tiny(tiny_data, tmp_path / "run1", "train.batch_size=8", *common), tmp_path)
-    two = load_ranks(tmp_path / "two", 2)[0]
-    one = load_ranks(tmp_path / "one", 1)[0]
-    assert two["step"] == one["step"] == 6
+           + tiny(tiny_data, tmp_path / "run1", "train.batch_size=8", *REFERENCE_ARGS, buckets), tmp_path)
+    two = assert_matches_one_rank(tmp_path / "one", tmp_path / "run1", tmp_path / "two", tmp_path / "run2")
     # resnet18's 89 MB of float64 gradients go in groups of >= 25 MB, or fused per Horovod cycle.
     assert two["gradient_groups"] >= 3 if buckets == "dist.bucket_mb=25" else two["gradient_groups"] == 0
-    compared = 0
-    for key, value in one["state"].items():
-        if value.is_floating_point():
-            assert value.dtype == torch.float64, key
-            torch.testing.assert_close(two["state"][key], value, rtol=1e-8, atol=1e-9, msg=key)
-            compared += 1
-    assert compared > 100
-    # Same global batches, same learning rate: the logged losses and accuracies agree too.
-    records = list(zip(read_metrics(tmp_path / "run1"), read_metrics(tmp_path / "run2")))
-    assert [a["split"] for a, _ in records] == ["train", "val", "train", "val"]
-    for a, b in records:
-        assert (a["split"], a["samples"], a["step"]) == (b["split"], b["samples"], b["step"])
-        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-8)
-        assert (a["top1"], a["top5"]) == (b["top1"], b["top5"])
 
 
 @pytest.mark.parametrize("variant", [
