@@ -12,8 +12,8 @@ without saying which peer it waited for). So every rank runs:
   no step or batch has completed for ``dist.timeout_seconds``.
 
 Before a rank gives up it asks every peer's service whether it is alive and prints one line naming
-the ranks (and hosts, and process ids) that did not answer, then exits non-zero; the launcher
-tears the job down.
+the ranks (and hosts, and process ids) that did not answer, then exits 75 (the same command resumes
+from the last checkpoint; 1 where every rank answers): the launcher tears the job down.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
+from .. import outcome
 from ..comm import launcher_env as launcher
 
 PING, PONG = b"hvdtrain-ping ", b"hvdtrain-alive "
@@ -322,8 +323,8 @@ def lost_peers(peers: list[Peer], own_rank: int) -> list[tuple[Peer, str]]:
             if p.rank != own_rank and results.get(p.rank, "no answer") != "alive"]
 
 
-def lost_message(peers: list[Peer], own_rank: int, what: str) -> tuple[str, bool]:
-    """The line to print, and whether this rank should print it (the lowest rank still alive)."""
+def lost_message(peers: list[Peer], own_rank: int, what: str) -> tuple[str, bool, bool]:
+    """The line, whether this rank prints it (the lowest one alive), and whether a peer is lost (exit 75)."""
     lost = lost_peers(peers, own_rank)
     lost_ranks = {p.rank for p, _ in lost}
     speaker = min(p.rank for p in peers if p.rank not in lost_ranks)
@@ -332,7 +333,7 @@ def lost_message(peers: list[Peer], own_rank: int, what: str) -> tuple[str, bool
         line = f"hvdtrain: {what}: lost {names}. Stopping the job; resume with the same command."
     else:
         line = f"hvdtrain: {what}; every rank still answers, so a collective is stuck. Stopping the job."
-    return line, own_rank == speaker
+    return line, own_rank == speaker, bool(lost)
 
 
 class Watchdog:
@@ -387,11 +388,11 @@ class Watchdog:
                 self.last_beat = now
                 continue
             if self.armed and now - self.last_beat > self.timeout:
-                line, speak = lost_message(self.peers, self.own_rank,
-                                           f"no progress for {self.timeout:g}s (dist.timeout_seconds)")
+                line, speak, lost = lost_message(self.peers, self.own_rank,
+                                                 f"no progress for {self.timeout:g}s (dist.timeout_seconds)")
                 if speak:
                     print(line, file=sys.stderr, flush=True)
-                os._exit(1)
+                os._exit(outcome.EXIT_PREEMPTED if lost else outcome.EXIT_CRASH)
             pending = self.stop_pending() if self.stop_pending is not None else None
             if pending is not None and not self.busy_depth and now - max(pending, self.last_beat) > self.timeout:
                 from .preemption import ignored_stop

@@ -30,10 +30,18 @@ class LostRank(JobStopped):
     hangs, or the ranks' states diverged (the audit). ``speak`` is set on the rank that reports it."""
 
 
+class PeerLost(LostRank):
+    """A collective failed because a peer is dead, hung or cut off (a pulled link): what was saved
+    stands, and the same command resumes from the last checkpoint once the peer is back. Exit 75,
+    as after a preemption, so that a scheduler's retry loop requeues it."""
+
+    exit_code = outcome.EXIT_PREEMPTED
+
+
 def lost_rank(run: Run, error: Exception) -> LostRank:
-    """A failed collective, as the one line that names the lost rank."""
+    """A failed collective, as the one line that names the lost rank (PeerLost where one is)."""
     run.watchdog.disarm()
     first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
     first_line = re.sub(r"\[[^\]]*\]\s*", "", first_line).strip()  # drop "[file.cc:81]" prefixes
-    line, speak = lost_message(run.peers, dist.rank(), f"a collective failed ({first_line[:100]})")
-    return LostRank(line, speak)
+    line, speak, lost = lost_message(run.peers, dist.rank(), f"a collective failed ({first_line[:100]})")
+    return (PeerLost if lost else LostRank)(line, speak)

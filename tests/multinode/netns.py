@@ -347,9 +347,12 @@ class NetNodes(TwoNodes):
             server.wait()
 
     def horovodrun_argv(self, program: list[str], np: int = 2, hosts: str | None = "node0:1,node1:1",
-                        controller: str = "gloo", extra: tuple[str, ...] = ()) -> list[str]:
-        """``horovodrun ... python program``, its ranks on the link's ``eth0`` (run it on node0)."""
-        return [str(nodes.BIN / "horovodrun"), "-np", str(np), *(["-H", hosts] if hosts else []), f"--{controller}",
+                        controller: str = "gloo", extra: tuple[str, ...] = (), launch: bool = False) -> list[str]:
+        """``horovodrun ... python program``, its ranks on the link's ``eth0`` (run it on node0);
+        ``launch``: ``python -m hvdtrain launch`` (horovodrun returning the ranks' exit code)."""
+        python = str(nodes.BIN / "python")
+        launcher = [python, "-m", "hvdtrain", "launch"] if launch else [str(nodes.BIN / "horovodrun")]
+        return [*launcher, "-np", str(np), *(["-H", hosts] if hosts else []), f"--{controller}",
                 "--network-interfaces", IFACE, "--disable-cache", *extra, str(nodes.BIN / "python"), *program]
 
     def horovodrun(self, program: list[str], cwd: Path, np: int = 2, hosts: str | None = "node0:1,node1:1",
