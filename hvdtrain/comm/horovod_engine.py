@@ -55,6 +55,7 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
         os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
     if GLOO_RENDEZVOUS in os.environ and not hvd.is_initialized():
         problem = launcher.hostname_problem()  # else Horovod's Gloo init segfaults without a word
+        problem = problem or launcher.loopback_name_problem()  # else a C++ IoException on the other hosts
         if problem:
             raise ConfigError(problem)
     if not hvd.is_initialized():

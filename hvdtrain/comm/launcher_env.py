@@ -6,6 +6,7 @@ one rank only, and ``dist`` falls back to it until ``init()``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -83,3 +84,72 @@ def horovod_missing() -> bool:
         return importlib.util.find_spec("horovod") is None
     except (ImportError, ValueError):
         return True
+
+
+def spans_hosts() -> bool:
+    """Whether this job's ranks run on more than one host, as the launcher says (horovodrun's cross
+    size, torchrun's or mpirun's world against local size, Slurm's node count)."""
+    env = os.environ
+    pairs = (("HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE"), ("WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+             ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+    try:
+        if "HOROVOD_CROSS_SIZE" in env:
+            return int(env["HOROVOD_CROSS_SIZE"]) > 1
+        for total, local in pairs:
+            if total in env and local in env:
+                return int(env[total]) > int(env[local])
+        return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1) > 1
+    except ValueError:
+        return False
+
+
+def loopback_name_problem(iface_variable: str = "", fix: str = "") -> str | None:
+    """One line when Gloo would give the other hosts a loopback address, else None.
+
+    Gloo binds to the address this host's own name resolves to and tells the other ranks to connect
+    there. Debian's default /etc/hosts maps the name to 127.0.1.1: every other host then connects
+    to its own loopback ("Connection refused", a C++ IoException). Only a job across hosts is hurt.
+    torch's Gloo binds to the interface GLOO_SOCKET_IFNAME names instead (``iface_variable``; its
+    ``fix``, with ``{iface}`` for one of this host's interfaces); Horovod's Gloo, measured across two
+    network namespaces, connects to 127.0.1.1 even with HOROVOD_GLOO_IFACE set, so only the name's
+    mapping helps there.
+    """
+    if (iface_variable and os.environ.get(iface_variable)) or not spans_hosts():
+        return None
+    meeting = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR")
+    if meeting and _loopback(meeting):
+        return None  # the ranks meet on loopback: every "host" is this machine, loopback reaches them
+    address = name_loopback_address()
+    return loopback_line(socket.gethostname(), address, fix) if address else None
+
+
+def _loopback(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]).is_loopback
+    except (OSError, UnicodeError, IndexError, ValueError):
+        return False
+
+
+def name_loopback_address() -> str | None:
+    """The loopback address this host's own name resolves to first (what Gloo would bind), or None."""
+    try:
+        address = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError, IndexError):
+        return None  # hostname_problem says so
+    return address if ipaddress.ip_address(address.split("%")[0]).is_loopback else None
+
+
+def loopback_line(name: str, address: str, fix: str) -> str:
+    return (f"this host's name '{name}' resolves to the loopback address {address} (/etc/hosts), so Gloo "
+            f"would give the other hosts an address they cannot reach and the job would fail with 'Connection "
+            f"refused': map '{name}' to this host's network address in /etc/hosts (in place of a line like "
+            f"Debian's '127.0.1.1 {name}')" + (f", or {fix.format(iface=_iface())}" if fix else ""))
+
+
+def _iface() -> str:
+    """This host's first interface other than loopback (for the example in a fix), else eth0."""
+    try:
+        names = [name for _, name in socket.if_nameindex() if name != "lo"]
+    except OSError:
+        names = []
+    return names[0] if names else "eth0"

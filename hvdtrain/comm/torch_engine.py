@@ -57,6 +57,10 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0) -> None:
             raise ConfigError(f"dist.engine=torch needs {' and '.join(missing)} (rank 0's host and a free port): "
                               "launch with torchrun, or export them in the job script for srun or mpirun "
                               "(e.g. MASTER_ADDR=$(hostname) and a free port as MASTER_PORT, one per job)")
+        problem = launcher.loopback_name_problem("GLOO_SOCKET_IFNAME", "export GLOO_SOCKET_IFNAME={iface} "
+                                                                           "(the interface the hosts share)")
+        if problem:  # else the other hosts' ranks fail to connect, in C++, once they reach this one
+            raise ConfigError(problem)
         store = job_store.join(rank, world_size, timeout)  # bound to MASTER_ADDR, ranks proven, values signed
         tdist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     count_hosts()

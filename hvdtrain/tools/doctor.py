@@ -115,6 +115,7 @@ def local_facts(data_dir: str | None = None, output_dir: str | None = None) -> d
         "horovod": dist.version(), "hvdtrain": hvdtrain.__version__,
         "hvdtrain_path": str(Path(hvdtrain.__file__).parent), "gpus": gpus, "built": dist.built(),
         "interfaces": interfaces, "hostname_problem": launcher.hostname_problem(),
+        "loopback_name": launcher.name_loopback_address() or "",
         "gloo_hides_env": gloo_launcher_hides_env(), **checks.probe_facts(data_dir, output_dir),
     }
 
@@ -185,6 +186,15 @@ def compare_hosts(hosts: list[Host]) -> list[str]:
     """Problems that make the hosts unfit to train together, one line each, naming the host."""
     problems = [f"{h.name}: {h.problem}" for h in hosts if h.problem]
     problems += [f"{h.name}: {h.facts['hostname_problem']}" for h in hosts if h.facts.get("hostname_problem")]
+    # A name on loopback is fine where every host is reached on loopback (one machine), and breaks
+    # Gloo across machines.
+    if len(hosts) > 1 and not all(h.address and ipaddress.ip_address(h.address).is_loopback for h in hosts):
+        from ..comm import launcher_env as launcher
+
+        fix = "for dist.engine=torch alone, GLOO_SOCKET_IFNAME=IFACE"
+        problems += [f"{h.name}: " + launcher.loopback_line(h.facts.get("hostname", h.name),
+                                                            h.facts["loopback_name"], fix)
+                     for h in hosts if h.facts.get("loopback_name")]
     reachable = [h for h in hosts if not h.problem]
     if len(reachable) < 2:
         return problems
