@@ -64,9 +64,17 @@ prepare_stop_file() {
 # exported for the ranks (a port shared by two jobs on a node stops the second). The host: the
 # allocation's first node, where this shell runs and where srun and horovodrun place rank 0. The
 # port: derived from the job id (15000 + id % 15000), else the first of the next 99 that this node
-# lets bind. A MASTER_ADDR or MASTER_PORT of the user's is kept.
+# lets bind. A MASTER_ADDR or MASTER_PORT of the user's is kept. And the job's secret, which the
+# torch engine's ranks prove to one another (docs/security.md): made here for each attempt, in the
+# environment srun hands to the ranks, never on a command line; a user's own is kept.
 export_master() {
     local first port=""
+    if [[ -z ${HVDTRAIN_JOB_SECRET:-} ]]; then
+        HVDTRAIN_JOB_SECRET=$("$PYTHON" -I -S -c 'import secrets; print(secrets.token_hex(32))') || {
+            echo "hvdtrain: job ${SLURM_JOB_ID:-?}: could not make a job secret for dist.engine=torch:" \
+                "export HVDTRAIN_JOB_SECRET=\$(openssl rand -hex 32) before sbatch" >&2; }
+        export HVDTRAIN_JOB_SECRET
+    fi
     if [[ -z ${MASTER_ADDR:-} ]]; then
         first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -1) || first=""
         export MASTER_ADDR=${first:-$(hostname -s)}

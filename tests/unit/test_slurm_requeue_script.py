@@ -4,6 +4,7 @@ small shell script. (tests/multinode/test_slurm_requeue.py runs the batch script
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -311,6 +312,24 @@ def test_each_job_gets_a_free_port_of_its_own(tmp_path):
         assert other == ["node7", str(expected)] and bindable(expected)
     assert master(tmp_path, "4242") == ["node7", str(15000 + 4242)]  # free again
     assert master(tmp_path, "4242", MASTER_ADDR="head", MASTER_PORT="31000") == ["head", "31000"]  # the user's
+
+
+def test_each_job_gets_a_secret_of_its_own_in_the_environment(tmp_path):
+    """The torch engine admits only ranks that know the job's secret: export_master makes one per
+    attempt (64 hex digits), different each time, and keeps a user's own."""
+    def secret(**extra: str) -> str:
+        env = {key: value for key, value in os.environ.items() if key != "HVDTRAIN_JOB_SECRET"}
+        env.update({"SLURM_JOB_ID": "4242", "MASTER_ADDR": "head", "MASTER_PORT": "31000", "PYTHON": sys.executable,
+                    **extra})
+        shown = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{REQUEUE}"; export_master; '
+                                'printenv HVDTRAIN_JOB_SECRET'], env=env, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        return shown.stdout.strip()
+
+    first, second = secret(), secret()
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and first != second
+    own = "the-users-own-secret-of-32-characters"
+    assert secret(HVDTRAIN_JOB_SECRET=own) == own
 
 
 def test_attempt_records_name_the_job_and_the_exit():
