@@ -20,6 +20,7 @@ from hvdtrain.data.files.bad_files import (
     allowed_failures,
     as_bad_file,
     combine,
+    fields,
     over_limit,
     summarize,
     vanished_classes,
@@ -124,7 +125,9 @@ def test_ranks_combine_exactly_a_file_two_ranks_met_counts_once():
     ranks[0].note([missing[0], missing[1], BadFile(missing[2].path, "missing", "x", own=False)], samples=16)
     ranks[1].note([missing[2], broken, missing[1]], samples=16)   # missing[1] again: the padded last batch
     sums = lambda tensor: ranks[0].vector() + ranks[1].vector()   # noqa: E731 - what allreduce_sum returns
-    gathered = [(t.files_read, list(t.own.values()), t.row_end) for t in ranks]
+    # What each rank sends through the gather: plain fields, as they travel between ranks (comm/wire.py).
+    gathered = [(t.files_read, [fields(record) for record in t.own.values()],
+                 None if t.row_end is None else fields(t.row_end)) for t in ranks]
     summary = combine(ranks[0], sums, lambda mine: gathered)
     assert summary.by_reason == {"missing": 3, "unreadable": 0, "undecodable": 1} and summary.total == 4
     assert summary.files_read == 32 and summary.folder_most_affected() == ("/d/train/c1", 3)
