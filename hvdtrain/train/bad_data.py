@@ -198,7 +198,8 @@ def save_for_rerun(run: Run, outputs: Any, bad_log: BadFilesLog | None, epoch: i
         for split, summary in summaries.items():
             bad_log.write(epoch, split, summary)
     path = save_checkpoint(run, outputs.saver, audited=audited, must=True)
-    path = dist.broadcast_object(path, name="hvdtrain.vanished.checkpoint")  # every rank's line names it
+    # Every rank's line names it; a path travels between ranks as its text (comm/wire.py).
+    path = dist.broadcast_object(None if path is None else str(path), name="hvdtrain.vanished.checkpoint")
     return path, (bad_log.path if bad_log is not None else run.run_dir / BAD_FILES)
 
 
