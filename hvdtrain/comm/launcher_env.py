@@ -117,7 +117,11 @@ def loopback_name_problem(iface_variable: str = "", fix: str = "") -> str | None
     if (iface_variable and os.environ.get(iface_variable)) or not spans_hosts():
         return None
     meeting = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR")
-    if meeting and _loopback(meeting):
+    if meeting:  # hvdtrain ray's is IP:PORT/TOKEN
+        meeting = meeting.split("/", 1)[0]
+        meeting = meeting.rsplit(":", 1)[0] if meeting.count(":") == 1 else meeting
+    node = os.environ.get("HOROVOD_HOSTNAME")  # hvdtrain ray names each node by its IP
+    if (meeting and _loopback(meeting)) or (node and _loopback(node)):
         return None  # the ranks meet on loopback: every "host" is this machine, loopback reaches them
     address = name_loopback_address()
     return loopback_line(socket.gethostname(), address, fix) if address else None
