@@ -101,6 +101,18 @@ def pytest_fixture_setup(fixturedef, request):
         _SESSION_DIRS.update(set(base.iterdir()) - before)
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Give every test the environment the one before it started with. Code under test sets
+    variables for the ranks it would start (the stall inspector's, Gloo's timeout); left in this
+    process, a later test's launched job would read them as the user's own exports."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _remove_module_outputs(tmp_path_factory):
     """Delete what a module's shared fixtures wrote (their uninterrupted runs, servers' stores) once
