@@ -6,6 +6,7 @@ train.target, the epoch line, and the checkpointed stops.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Iterable
 
 from ..checkpoint import io as checkpoint
@@ -27,7 +28,7 @@ from .bad_data import check_validation
 from .engine import evaluate
 from .run import Run, best_metric_name, is_better, reaches, release, target_metric_name
 from .run_folder import FIX
-from .save import DiskFullStop, audit_ranks, save_checkpoint
+from .save import audit_ranks, save_checkpoint
 from .stops import NoProgress, Preempted
 
 
@@ -120,12 +121,10 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     audit_ranks(run, f"the end of epoch {epoch + 1} (global step {state.position.step})", floating_buffers=True)
     if not validates_after(run.cfg, epoch):  # eval.every_epochs: checkpoint and log the training part only
         state.position.start_epoch(epoch + 1)
-        stopped: DiskFullStop | None = None
-        try:
-            path = save_checkpoint(run, outputs.saver, audited=True, must=epoch + 1 >= run.cfg.train.epochs)
-        except DiskFullStop as full:  # the epoch's record and line first
-            path, stopped = None, full
-        if outputs.writer is not None:
+
+        def record_training(path: Path | None) -> None:  # with the checkpoint, before the ranks' round
+            if outputs.writer is None:
+                return
             record = {"split": "train", "epoch": epoch, "step": state.position.step,
                       **{k: v for k, v in train_metrics.items() if k not in ("stopped", "steps")}}
             outputs.writer.write(record)
@@ -135,8 +134,10 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
             log(f"epoch {epoch + 1}/{run.cfg.train.epochs}  train loss {train_metrics['loss']:.4f} (not validated: "
                 f"eval.every_epochs={run.cfg.eval.every_epochs}) | lr {train_metrics['lr']:.4g}, "
                 f"{train_metrics['seconds']:.1f}s")
-        if stopped is not None:
-            raise stopped
+
+        # A full disk raises after the epoch's record and line are out.
+        save_checkpoint(run, outputs.saver, audited=True, must=epoch + 1 >= run.cfg.train.epochs,
+                        on_saved=record_training)
         return {"train": train_metrics, "val": {}, "epoch": epoch, "step": state.position.step}
     if watch:
         run.watchdog.beat()
@@ -158,14 +159,11 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
     is_best = is_better(task, val_metrics[name], state.best_metric, name)
     if is_best:
         state.best_metric = val_metrics[name]
-    stopped: DiskFullStop | None = None
-    try:
-        path = save_checkpoint(run, outputs.saver, is_best=is_best, audited=True,
-                               must=epoch + 1 >= run.cfg.train.epochs)
-    except DiskFullStop as full:  # the epoch's records and line first: its results are not lost with it
-        path, stopped = None, full
     step = state.position.step
-    if outputs.writer is not None:
+
+    def record_epoch(path: Path | None) -> None:  # with the checkpoint, before the ranks' round
+        if outputs.writer is None:
+            return
         for split, values in (("train", train_metrics), ("val", val_metrics)):
             record = {"split": split, "epoch": epoch, "step": step,
                       **{k: v for k, v in values.items() if k not in ("stopped", "steps")}}
@@ -177,8 +175,10 @@ def end_epoch(run: Run, outputs: Outputs, epoch: int, train_metrics: dict[str, A
         log(epoch_line(run, epoch, train_metrics, val_metrics))
         if val_metrics.get("target_reached"):
             log(target_line(run, val_metrics))
-    if stopped is not None:
-        raise stopped
+
+    # A full disk raises after the epoch's records and line are out: its results are not lost with it.
+    save_checkpoint(run, outputs.saver, is_best=is_best, audited=True, must=epoch + 1 >= run.cfg.train.epochs,
+                    on_saved=record_epoch)
     return {"train": train_metrics, "val": val_metrics, "epoch": epoch, "step": step}
 
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -62,14 +62,19 @@ class DiskFullStop(JobStopped):
 
 
 def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best: bool = False,
-                    audited: bool = False, must: bool = False) -> Path | None:
+                    audited: bool = False, must: bool = False,
+                    on_saved: Callable[[Path | None], None] | None = None) -> Path | None:
     """Every rank takes part (random states and buffers are collected); rank 0 writes. The ranks are
     audited first (unless the caller just did): a checkpoint of diverged ranks is never written.
 
     A checkpoint that does not fit on its file system (checkpoint.DiskFull) is said in one line,
     and nothing is lost: the older checkpoints stay as they were. Training goes on and the next
     checkpoint tries again, unless this one is the last chance (``must``: the final epoch's, or a
-    stop's), which ends the job on every rank with DiskFullStop (exit code 74)."""
+    stop's), which ends the job on every rank with DiskFullStop (exit code 74).
+
+    ``on_saved(path)`` runs on each rank as soon as its part of the write is done (path None where
+    nothing was written), before the ranks compare outcomes: the epoch's records go with the
+    checkpoint that holds the epoch, so a rank lost in that round does not lose them to the resume."""
     if run.settings.guard is not None:
         run.settings.guard.check()  # a checkpoint is never written of a diverged state
     if not audited:
@@ -82,6 +87,8 @@ def save_checkpoint(run: Run, saver: checkpoint.CheckpointSaver | None, is_best:
                 path = saver.save(payload, is_best)
             except checkpoint.DiskFull as error:
                 problem = error.strerror
+        if on_saved is not None:
+            on_saved(path)
         # Rank 0's outcome, on every rank: nobody runs ahead (or exits) before the file is in place. One
         # small broadcast says whether it failed (each collective is a round between the ranks); the
         # reason follows only then.

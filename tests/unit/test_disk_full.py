@@ -119,3 +119,29 @@ def test_the_writers_full_disk_and_the_jobs_stop_are_two_classes_and_the_stop_ex
     assert issubclass(DiskFullStop, JobStopped) and not issubclass(DiskFullStop, OSError)
     assert DiskFullStop.__name__ != checkpoint.DiskFull.__name__
     assert outcome.stop_code(DiskFullStop("hvdtrain: no space", speak=True)) == outcome.EXIT_DISK_FULL == 74
+
+
+def test_the_epochs_records_are_written_with_its_checkpoint_before_the_ranks_compare(tmp_path, monkeypatch):
+    """A link lost in the round after rank 0's write used to lose the epoch's metrics records: the
+    resume starts after that epoch, so nothing wrote them again (the pulled-link test,
+    tests/multinode/test_netns.py). Rank 0 now writes them before that round."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from hvdtrain.train import save
+    from hvdtrain.train.stops import LostRank
+
+    saver = checkpoint.CheckpointSaver(tmp_path / "checkpoints", keep=2)
+    run = SimpleNamespace(settings=SimpleNamespace(guard=None),
+                          watchdog=SimpleNamespace(busy=contextlib.nullcontext))
+    monkeypatch.setattr(save, "checkpoint_payload", lambda run: payload(2, megabytes=1))
+    events = []
+
+    def lost(tensor, name):
+        events.append("round")
+        raise LostRank("lost rank 1 (node1, pid 7)", speak=True)
+
+    monkeypatch.setattr(save.dist, "broadcast", lost)
+    with pytest.raises(LostRank):
+        save.save_checkpoint(run, saver, audited=True, on_saved=lambda path: events.append(path))
+    assert events == [tmp_path / "checkpoints" / "step-00000002.pt", "round"]
