@@ -59,9 +59,9 @@ def test_a_pulled_link_names_the_lost_host_and_rank_exits_75_and_the_rerun_resum
     # The cable is pulled on node1's side (ip link set eth0 down) just after the first checkpoint,
     # and plugged back when the job has ended: rank 0's collective times out, it names node1's rank,
     # and the job exits 75 (resume me) with what was saved intact. The same command then resumes.
-    timeout = 30
+    timeout, epochs = 30, 12  # epochs: more than the ranks can train before the pull reaches them
     run_dir = tmp_path / "run"
-    program = ["-m", "hvdtrain"] + tiny(tiny_data, run_dir, "train.epochs=6", "train.steps_per_epoch=2",
+    program = ["-m", "hvdtrain"] + tiny(tiny_data, run_dir, f"train.epochs={epochs}", "train.steps_per_epoch=2",
                                         f"dist.timeout_seconds={timeout}")
     cmd = net_nodes.prefix("node0", tmp_path) + net_nodes.horovodrun_argv(program, launch=True)
     job = subprocess.Popen(cmd, cwd=tmp_path, env=net_nodes.env(tmp_path), stdout=subprocess.PIPE,
@@ -92,5 +92,6 @@ def test_a_pulled_link_names_the_lost_host_and_rank_exits_75_and_the_rerun_resum
     # The epochs trained before the pull are kept; the rerun (attempt 1) trains the rest, once each.
     validated = [(r["epoch"], r["step"], r["attempt"]) for r in read_metrics(run_dir) if r["split"] == "val"]
     kept = sum(1 for *_, attempt in validated if attempt == 0)
-    assert kept >= 1 and validated == [(epoch, 2 * epoch + 2, 0 if epoch < kept else 1) for epoch in range(6)], \
+    assert 1 <= kept < epochs and validated == [(epoch, 2 * epoch + 2, 0 if epoch < kept else 1)
+                                                for epoch in range(epochs)], \
         validated
