@@ -163,7 +163,9 @@ def prove_rank(store: tdist.Store, rank: int, secret: bytes, timeout: float, whe
     found = wait_for(store, [answer_key, verdict_key], timeout)
     if found is None:
         raise not_the_jobs(where, f"no answer to rank {rank}'s challenge in {timeout:.0f} s")
-    if found == verdict_key:  # decided before this rank was answered: the verdict says why
+    # Decided before this rank was answered: the verdict says why. (An answer set between the two
+    # checks of wait_for is still taken first: it is what the one who answered must prove.)
+    if found == verdict_key and not store.check([answer_key]):
         verdict(store, secret, None, where)
         raise not_the_jobs(where, f"rank 0 decided without answering rank {rank}")
     try:

@@ -141,3 +141,22 @@ def test_a_value_nobody_signed_is_refused_never_used():
     inner.set("rank_0", inner.get("rank_0")[:-1] + b"!")  # a signed value changed
     with pytest.raises(job_store.StoreRefused):
         signed.get("rank_0")
+
+
+def test_an_impostor_that_answers_and_decides_at_once_is_found_out_by_its_answer():
+    """An impostor listening first answers rank 1's challenge and sets a verdict right after; the
+    answer and the verdict may land between rank 1's two checks of the store. The answer is taken
+    first, so rank 1 says the same thing however the two interleave."""
+    class Racing(tdist.HashStore):
+        def check(self, keys):  # the impostor writes both just after rank 1's look for the answer
+            seen = super().check(keys)
+            if keys == [f"{job_store.AUTH}answer/1/1"] and not seen and not self.written:
+                self.written = True
+                self.set(keys[0], '{"nonce": "n", "mac": "00"}')
+                self.set(f"{job_store.AUTH}verdict", "not json")
+            return seen
+
+    store = Racing()
+    store.written = False
+    with pytest.raises(job_store.StoreRefused, match=r"is not this job's \(it could not prove the job's secret\)"):
+        job_store.authenticate(store, 1, 2, SECRET, 20, WHERE)
