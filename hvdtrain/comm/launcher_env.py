@@ -120,11 +120,21 @@ def loopback_name_problem(iface_variable: str = "", fix: str = "") -> str | None
     if meeting:  # hvdtrain ray's is IP:PORT/TOKEN
         meeting = meeting.split("/", 1)[0]
         meeting = meeting.rsplit(":", 1)[0] if meeting.count(":") == 1 else meeting
-    node = os.environ.get("HOROVOD_HOSTNAME")  # hvdtrain ray names each node by its IP
-    if (meeting and _loopback(meeting)) or (node and _loopback(node)):
+    # hvdtrain ray names each node by its IP: a loopback IP there is a node on this machine. A name
+    # (horovodrun's -H node1) is never taken as one: its resolving to loopback is what is checked.
+    node = os.environ.get("HOROVOD_HOSTNAME", "")
+    if (meeting and _loopback(meeting)) or (_is_ip(node) and _loopback(node)):
         return None  # the ranks meet on loopback: every "host" is this machine, loopback reaches them
     address = name_loopback_address()
     return loopback_line(socket.gethostname(), address, fix) if address else None
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _loopback(name: str) -> bool:

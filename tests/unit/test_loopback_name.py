@@ -19,7 +19,8 @@ def loopback_name(monkeypatch):
         (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))] if host == "gpu07" else real(host, *a, **k))
     for name in ("HOROVOD_CROSS_SIZE", "HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                  "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES",
-                 "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "MASTER_ADDR"):
+                 "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "MASTER_ADDR",
+                 "HOROVOD_HOSTNAME"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -50,6 +51,18 @@ def test_the_line_names_host_address_and_fix_across_hosts_only(loopback_name, mo
     assert launcher.loopback_name_problem("GLOO_SOCKET_IFNAME", "") is None
     monkeypatch.setenv("HOROVOD_GLOO_IFACE", "eth0")  # Horovod's Gloo still advertises the name's address
     assert launcher.loopback_name_problem().endswith("(in place of a line like Debian's '127.0.1.1 gpu07')")
+
+
+def test_horovodruns_host_name_is_checked_and_rays_loopback_ip_is_a_node_here(loopback_name, monkeypatch):
+    """horovodrun -H gpu07:1,... exports HOROVOD_HOSTNAME=gpu07: that name resolving to loopback is
+    the very problem, never a sign the job is on one machine (the netns test caught the check
+    skipping it). hvdtrain ray names nodes by IP: 127.0.0.1 there is a node on this machine."""
+    for key, value in {**MULTI_HOST, "HOROVOD_GLOO_RENDEZVOUS_ADDR": "198.18.0.1:4000/token"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HOROVOD_HOSTNAME", "gpu07")
+    assert launcher.loopback_name_problem() is not None
+    monkeypatch.setenv("HOROVOD_HOSTNAME", "127.0.0.1")
+    assert launcher.loopback_name_problem() is None
 
 
 def test_a_name_on_a_network_address_is_fine(monkeypatch):
