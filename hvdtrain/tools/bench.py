@@ -56,6 +56,9 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the 95%% interval is over them "
                         "(default 5)")
     parser.add_argument("--json", help="also write the results to this JSON file (rank 0)")
+    parser.add_argument("--link-gbit", type=float, metavar="GBIT",
+                        help="allreduce bandwidth between hosts in Gbit/s (hvdtrain doctor's bus bandwidth): also "
+                             "print the scaling limit at 2-32 nodes over it, from this run's step time")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser
 
@@ -178,6 +181,8 @@ def timed_run(run: Any, cfg: Config, warmup_steps: int, steps: int, repeats: int
         "per_rank": [{"rank": r, "images_per_sec": interval95(rates)[0], "ci95": interval95(rates)[1],
                       "repeats": rates} for r, rates in enumerate(per_rank)],
         "images_per_sec": total_mean, "ci95": total_half, "repeats_images_per_sec": totals,
+        "step_seconds": timed_seconds / (steps * repeats),  # this rank's clock, which waits for the last rank
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in state.model.parameters() if p.requires_grad),
         "phases": step_phases,  # fraction of step time by phase, mean over ranks (observe/phases.py)
         **ema, **audit_cost,
     }
@@ -227,8 +232,26 @@ def format_report(result: dict[str, Any]) -> list[str]:
         lines.append(f"bench: cross-rank audit: {1000 * result['audit_seconds']:.2f} ms each "
                      f"({result['audit_values']} values), {100 * result['audit_step_fraction']:.2f}% of one step; "
                      f"by default it runs at checkpoints and epoch ends only (runtime.audit_every=N: every N steps)")
+    if result.get("forecast"):
+        lines += ["bench: " + line for line in result["forecast"]]
     lines.append(f"images_per_sec={result['images_per_sec']:.2f}")
     return lines
+
+
+def add_forecast(result: dict[str, Any], link_gbit: float) -> dict[str, Any]:
+    """The scaling limit over a link of ``link_gbit`` from the run's step time and gradient bytes
+    (observe/forecast.py), as lines and figures for the report and the JSON."""
+    from ..observe.forecast import GBIT, NODES, forecast, format_forecast
+
+    step, grads, link = result["step_seconds"], result["gradient_bytes"], link_gbit * GBIT
+    lines = format_forecast(step, grads, link, prefix="")
+    if result["world_size"] > 1:
+        lines.append(f"the step time is that of this run's {result['world_size']} ranks, their own communication "
+                     f"included: run bench on one node's ranks for that node's step")
+    table = {name: [{"nodes": p.nodes, "factor": p.factor, "comm_seconds": p.comm_seconds,
+                     "bottleneck": p.bottleneck} for p in points]
+             for name, points in forecast(step, grads, link, NODES).items()}
+    return {"link_gbit": link_gbit, "forecast": lines, "forecast_table": table}
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -239,8 +262,12 @@ def cmd_bench(argv: list[str]) -> int:
                              ("--repeats", args.repeats, 1)):
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    if args.link_gbit is not None and not args.link_gbit > 0:
+        raise ConfigError(f"--link-gbit must be > 0 (the bandwidth between hosts in Gbit/s), got {args.link_gbit}")
     cfg = load_config(args.config, list(args.overrides) + FORCED)
     result = run_bench(cfg, args.warmup_steps, args.steps, args.repeats)
+    if args.link_gbit:
+        result.update(add_forecast(result, args.link_gbit))
 
     from ..comm import dist
 

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from hvdtrain.observe.forecast import format_forecast
 from tests.helpers import launch
 
 TINY = ["--warmup-steps", "1", "--steps", "2", "--repeats", "2", "--config", "debug", "train.batch_size=4"]
@@ -44,6 +45,22 @@ def test_bench_single_process_with_accumulation_and_compression(tmp_path):
                                "train.backward_passes_per_step=2", "dist.compression=fp16"], tmp_path)
     result = check(run.stdout, 1, out, passes=2)
     assert result["compression"] == "fp16" and result["backward_passes_per_step"] == 2
+    assert "bench: fp32 " not in run.stdout  # no forecast unless a link is given
+
+
+def test_bench_forecasts_scaling_from_its_own_step_and_gradients(tmp_path):
+    out = tmp_path / "bench.json"
+    run = launch("single", 1, ["-m", "hvdtrain", "bench", *TINY, "--json", str(out), "--link-gbit", "0.25"], tmp_path)
+    result = check(run.stdout, 1, out)
+    assert result["gradient_bytes"] == 11_689_512 * 4  # resnet18's parameters (1000 classes), float32
+    # the step it timed: 4 images a step at the rate it measured (a mean of rates; a mean of times)
+    assert result["step_seconds"] == pytest.approx(4 / result["images_per_sec"], rel=0.3)
+    lines = result_lines(run.stdout)
+    assert lines[-1].startswith("images_per_sec=")
+    step, grads, link = result["step_seconds"], result["gradient_bytes"], 0.25e9 / 8
+    expected = format_forecast(step, grads, link, prefix="bench: ")
+    assert lines[-1 - len(expected):-1] == expected
+    assert result["forecast_table"]["fp32"][0]["factor"] == pytest.approx(step / max(step, grads / link))
 
 
 @pytest.mark.parametrize("launcher, controller", [("horovodrun-gloo", "gloo"), ("mpirun", "mpi")])
