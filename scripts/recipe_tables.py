@@ -12,7 +12,8 @@ of every preset, so an edit of a preset that drifts from its source fails there,
 ``scripts/recipe_tables.py`` writes the tables of docs/recipes.md from the same rows.
 
 Derived quantities: ``ranks`` (the source's GPU count, which the preset assumes), ``global_batch``
-(per-rank batch x ranks x backward passes), ``lr.peak`` (the scaled rate), ``lr.epoch.E`` (the rate
+(per-rank batch x ranks x backward passes), ``lr.peak`` (the scaled rate), ``lr.warmup_start`` (the
+rate of the warm-up's first step), ``lr.epoch.E`` (the rate
 in effect at epoch E on ImageNet's 1281167 images at the preset's global batch), ``val.resize`` and
 ``val.crop`` (the validation resize and crop), ``decay.decayed_1d_count`` (1-d tensors of the
 preset's model that get weight decay), ``lars.epsilon`` and ``lars.adapt`` (fixed in hvdtrain's LARS).
@@ -53,7 +54,7 @@ def decayed_vectors(arch: str, rule: str, names: str, blurpool: bool) -> int:
 def resolve(cfg: Config, key: str, ranks: int) -> Any:
     """The value a preset resolves ``key`` to, on ``ranks`` ranks (see the module docstring)."""
     from hvdtrain.data.image.transforms import val_image_size, val_resize_size
-    from hvdtrain.optim.build import LRSchedule, lr_at, scaled_lr
+    from hvdtrain.optim.build import LRSchedule, lr_at
 
     passes = cfg.train.backward_passes_per_step
     # A global batch said once (train.global_batch_size, main.py's -b) fixes the per-rank batch.
@@ -65,11 +66,14 @@ def resolve(cfg: Config, key: str, ranks: int) -> Any:
         return global_batch
     if key == "train.batch_size":
         return per_rank
-    if key == "lr.peak":  # optim.lr is a rate as it is; else the per-256 rate scaled linearly
-        return cfg.optim.lr if cfg.optim.lr > 0 else scaled_lr(cfg.optim.base_lr, global_batch)
+    steps = max(1, IMAGENET_TRAIN // global_batch)
+    # optim.lr is a rate as it is; else the per-256 rate (or optim.lr_per_rank, one rank's) scaled linearly
+    schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps, per_rank, passes)
+    if key == "lr.peak":
+        return schedule.peak_lr
+    if key == "lr.warmup_start":
+        return schedule.start_lr
     if key.startswith("lr.epoch."):
-        steps = max(1, IMAGENET_TRAIN // global_batch)
-        schedule = LRSchedule.from_config(cfg.optim, global_batch, cfg.train.epochs, steps)
         return lr_at(int(round(float(key[len("lr.epoch."):]) * steps)), schedule)
     if key == "val.resize":
         return val_resize_size(cfg.data)

@@ -47,7 +47,7 @@ from hvdtrain.tasks.image_classification import bce_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGENET_PRESETS = ["imagenet_resnet50", "ffcv_rn50_16_epochs", "ffcv_rn50_32_epochs", "ffcv_rn50_88_epochs",
-                    "mlperf_lars_rn50", "nvidia_rn50_v15", "timm_rsb_a3", "pytorch_examples"]
+                    "mlperf_lars_rn50", "nvidia_rn50_v15", "timm_rsb_a3", "pytorch_examples", "horovod_example"]
 
 
 def recipe_tables():
@@ -553,3 +553,103 @@ def test_from_ddp_maps_main_py_to_keys_that_exist():
     for setting in sorted(settings):
         key, value = setting.split("=", 1)
         load_config(None, [f"{key}={placeholders.get(value, value)}"])  # an unknown key or a bad value raises
+
+
+# --- Horovod's examples/pytorch/pytorch_imagenet_resnet50.py ------------------------------------------
+
+def horovod_example_source() -> Path:
+    """The unchanged copy of Horovod's example in ../shared/peers (beside the checkout or a folder
+    above it); the test that needs it skips, saying so, where there is none."""
+    for folder in ROOT.parents:
+        path = folder / "shared" / "peers" / "horovod" / "pytorch_imagenet_resnet50.py"
+        if path.is_file():
+            return path
+    pytest.skip("no copy of Horovod's pytorch_imagenet_resnet50.py in ../shared/peers/horovod: "
+                "the preset's rows are checked against published.json only")
+
+
+def cited_lines(cite: str) -> list[int]:
+    """The line numbers of a cite such as 'repo@commit path:26, 270-278'."""
+    numbers = []
+    for part in cite.rsplit(":", 1)[1].split(","):
+        first, _, last = part.strip().partition("-")
+        numbers += range(int(first), int(last or first) + 1)
+    return numbers
+
+
+def test_every_horovod_example_row_quotes_its_cited_lines():
+    """Each row's quote is in the lines it cites, in the unchanged example: a row that cites the
+    wrong line, or a copy of another version of the example, fails here."""
+    lines = horovod_example_source().read_text().splitlines()
+    rows = PUBLISHED["horovod_example"]["rows"]
+    assert all(row.get("quote") and "pytorch_imagenet_resnet50.py:" in row["cite"] for row in rows)
+    wrong = [f"{row['name']}: {row['quote']!r} not in {row['cite']}" for row in rows
+             if row["quote"] not in "\n".join(lines[n - 1] for n in cited_lines(row["cite"]))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_horovod_example_preset_has_the_examples_argument_defaults():
+    """The example's argparse defaults, read from its source (not run), against the keys the preset
+    resolves to (docs/from-ddp.md's table maps each flag)."""
+    import ast
+
+    defaults = {}
+    for node in ast.walk(ast.parse(horovod_example_source().read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            flag = node.args[0].value.lstrip("-").replace("-", "_")
+            default = next((k.value for k in node.keywords if k.arg == "default"), None)
+            if isinstance(default, ast.Constant):
+                defaults[flag] = default.value
+    cfg = load_config("horovod_example")
+    ours = {"batch_size": cfg.train.batch_size, "val_batch_size": cfg.train.batch_size,
+            "epochs": cfg.train.epochs, "base_lr": cfg.optim.lr_per_rank,
+            "warmup_epochs": cfg.optim.warmup_epochs, "momentum": cfg.optim.momentum,
+            "wd": cfg.optim.weight_decay, "seed": cfg.seed,
+            "batches_per_allreduce": cfg.train.backward_passes_per_step,
+            "gradient_predivide_factor": cfg.dist.gradient_predivide_factor,
+            "fp16_allreduce": cfg.dist.compression == "fp16", "use_adasum": cfg.dist.op == "adasum",
+            "no_cuda": False, "checkpoint_format": "./checkpoint-{epoch}.pth.tar", "log_dir": "./logs"}
+    assert set(defaults) == set(ours), sorted(defaults)  # --train-dir, --val-dir: data.dir
+    assert {flag: defaults[flag] for flag in ours} == ours
+
+
+@pytest.mark.parametrize("ranks, passes", [(8, 1), (2, 1), (4, 2)])
+def test_horovod_example_preset_steps_at_the_examples_rates(ranks, passes):
+    """Every step's rate of 90 epochs is the example's adjust_learning_rate at any number of ranks:
+    equal after the warm-up, and one step earlier in it (the example sets the rate for the position
+    after the step)."""
+    from tests.unit.test_lr import horovod_example_lr
+
+    cfg = load_config("horovod_example", [f"train.backward_passes_per_step={passes}"] +
+                      (["train.drop_last=true"] if passes > 1 else []))
+    steps = 50
+    schedule = LRSchedule.from_config(cfg.optim, 32 * ranks * passes, cfg.train.epochs, steps,
+                                      rank_batch=32, passes=passes)
+    for step in range(0, 90 * steps, 7):
+        example = horovod_example_lr(step // steps, step % steps, 0.0125, ranks, passes, steps)
+        ours = lr_at(step + 1 if step < 5 * steps else step, schedule)
+        assert ours == pytest.approx(example, rel=1e-12), step
+    assert lr_at(0, schedule) == pytest.approx(0.0125 * passes)  # the warm-up starts at one rank's rate
+    # The milestones stay at 30, 60 and 80 in a shorter run, as the example's are.
+    short = LRSchedule.from_config(load_config("horovod_example", ["train.epochs=40"]).optim, 256, 40, steps,
+                                   rank_batch=32)
+    assert lr_at(29 * steps, short) == pytest.approx(0.1) and lr_at(30 * steps, short) == pytest.approx(0.01)
+
+
+def test_horovod_example_differs_from_imagenet_resnet50_where_the_example_does():
+    """The likely-looking Goyal preset differs from the example in these settings, which the
+    example's preset sets as the example does."""
+    goyal, example = load_config("imagenet_resnet50"), load_config("horovod_example")
+    differences = {
+        "seed": (0, 42),
+        "optim.nesterov": (True, False),
+        "optim.weight_decay": (1e-4, 5e-5),
+        "optim.no_decay": ("norm", "none"),
+        "model.zero_init_residual": (True, False),
+        "model.head_init_std": (0.01, 0.0),
+        "train.drop_last": (True, False),
+        "optim.step_milestones": ("", "30,60,80"),
+    }
+    for key, (theirs, ours) in differences.items():
+        assert (TABLES.resolve(goyal, key, 8), TABLES.resolve(example, key, 8)) == (theirs, ours), key
+    assert TABLES.resolve(example, "lr.warmup_start", 8) == 0.0125 != TABLES.resolve(goyal, "lr.warmup_start", 8)
