@@ -25,7 +25,9 @@ def train_parser(prog: str = "hvdtrain") -> argparse.ArgumentParser:
         "data.synthetic=true); --config demo runs the built-in demo.")
     parser.add_argument("--config", "-c", help="YAML config file, or the name of a shipped one (debug, demo, "
                         "imagenet_resnet50, small_images, finetune)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and what is in effect at the launch's ranks (batch per rank, "
+                        "learning rate), and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser
 

@@ -26,7 +26,7 @@ from .arguments import (
 )
 from .comm import launcher_env as launcher
 from .comm.launcher_env import NO_HOROVOD, horovod_missing
-from .config import PACKAGED_CONFIGS, ConfigError, dump_yaml
+from .config import PACKAGED_CONFIGS, ConfigError
 from .fault import signals
 from .job_config import load_config
 
@@ -47,8 +47,11 @@ def cmd_train(argv: list[str]) -> int:
     # parameter, say) is refused here, in one line, before Horovod starts.
     check_before_launch(cfg, forward=args.print_config)
     if args.print_config:
+        from .train.in_effect import annotated_yaml  # the batch and rate in effect at the launch's ranks
+
+        text = annotated_yaml(cfg)
         if launcher_rank() == 0:
-            print(dump_yaml(cfg), end="")
+            print(text, end="")
         return 0
     require_data_choice(args.config, cfg)
     environment.check_dependencies()  # a yaml.py of the user's hiding PyYAML: one line, not a traceback per rank
@@ -154,7 +157,7 @@ commands (train is the default: it runs when the first argument is not a command
 train:
   python -m hvdtrain [train] [--config FILE] [--print-config] [key=value ...]
   --config, -c FILE  YAML config file, or the name of a shipped one ({shipped})
-  --print-config     print the resolved config and exit
+  --print-config     print the resolved config, what is in effect at the launch's ranks, and exit
   key=value          override one config key, e.g. train.epochs=3 data.dir=/data/imagenet
   Without --config, name the data with data.dir=... (or data.synthetic=true).
 

@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 from ..comm import dist
-from ..config import Config, ConfigError, TrainConfig
+from ..config import Config
 from ..data import DataError
 from ..data.loaders import Loaders
 from ..data.sampler import ShardedSampler
@@ -23,6 +23,7 @@ from ..model.sync_bn import convert_sync_batchnorm
 from ..optim.build import LRSchedule
 from ..optim.build import build_optimizer as build_named_optimizer
 from ..tasks import DataEnv, Task
+from .in_effect import per_rank_batch
 
 
 def wants_gpu(cfg: Config) -> bool:
@@ -146,21 +147,7 @@ def resolve_batch_size(cfg: Config, world_size: int) -> None:
     task reads it). An explicit ``train.batch_size`` that disagrees, or a global batch the ranks and
     passes do not divide, stops with one line. (An explicit batch size equal to the default cannot be
     told from the default, and yields to the global one.)"""
-    wanted, passes = cfg.train.global_batch_size, cfg.train.backward_passes_per_step
-    if not wanted:
-        return
-    shares = world_size * passes
-    if wanted % shares:
-        lower, upper = wanted // shares * shares, (wanted // shares + 1) * shares
-        raise ConfigError(f"train.global_batch_size={wanted} does not divide into {world_size} ranks x {passes} "
-                          f"passes: use a multiple of {shares} (e.g. {lower or upper} or {upper}), or another "
-                          f"number of ranks")
-    per_rank = wanted // shares
-    default = TrainConfig.batch_size
-    if cfg.train.batch_size not in (default, per_rank):
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} and train.global_batch_size={wanted} disagree at "
-                          f"{world_size} ranks x {passes} passes ({per_rank} per rank): set one of the two")
-    cfg.train.batch_size = per_rank
+    cfg.train.batch_size = per_rank_batch(cfg.train, world_size)
 
 
 def build_model(cfg: Config, task: Task, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
