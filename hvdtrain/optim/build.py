@@ -116,6 +116,43 @@ def lr_at(step: int, sched: LRSchedule) -> float:
     raise ValueError(f"unknown schedule {sched.schedule!r}")
 
 
+def step_milestones_text(optim: OptimConfig, schedule: LRSchedule) -> str:
+    """Where the step schedule steps, as the recipe line says it: 'x0.1 every 30 epochs (at 30, 60 of
+    90)', 'x0.1 at epochs 30, 60, 80 (fixed)' or 'x0.1 at epochs 6.667, 13.33, 17.78 (30/60/80 of 90,
+    scaled)'."""
+    at = ", ".join(f"{m:.4g}" for m in schedule.step_milestones()) or "none within the run"
+    factor = f"x{optim.step_gamma:g}"
+    if optim.step_every_epochs:
+        return f"{factor} every {optim.step_every_epochs} epochs (at {at} of {schedule.epochs})"
+    if schedule.milestones:
+        return f"{factor} at epochs {at} (fixed)"
+    return f"{factor} at epochs {at} (30/60/80 of 90, scaled to {schedule.epochs})"
+
+
+def describe_schedule(optim: OptimConfig, schedule: LRSchedule) -> str:
+    """The rate in the recipe line's terms: the warm-up's first and last rates (or none: no warm-up
+    epochs, or a warm-up that starts at the peak), how often the rate changes where it does (every
+    step or epoch through a warm-up and a cosine or poly decay; a step schedule changes only at its
+    milestones, a constant rate never), then the decay."""
+    first, steps = lr_at(0, schedule), schedule.steps_per_epoch
+    last_warm = lr_at(max(math.ceil(optim.warmup_epochs * steps) - 1, 0), schedule)
+    decay = optim.schedule + {"step": f" {step_milestones_text(optim, schedule)}",
+                              "constant": " to the end"}.get(optim.schedule, f" to {optim.end_lr:g}")
+    if not optim.warmup_prefix and optim.schedule in ("cosine", "poly"):
+        decay += " over the whole run (warm-up inside it)"
+    warm = optim.warmup_epochs > 0 and schedule.start_lr != schedule.peak_lr
+    stepping = {"step": "every step", "epoch": "once per epoch",
+                "epoch_warmup_end": "once per epoch, warm-up epochs at their end value" if warm else
+                "once per epoch"}[optim.lr_step]
+    if not warm:
+        rate = f"no warm-up: peak {schedule.peak_lr:.4g} from step 0, then {decay}"
+        return rate + (f", rate changes {stepping}" if optim.schedule in ("cosine", "poly") else "")
+    rate = f"warm-up {first:.4g} (step 0) -> {last_warm:.4g} (last warm-up step) -> peak {schedule.peak_lr:.4g}"
+    if optim.schedule in ("cosine", "poly"):  # the rate moves all along
+        return f"{rate}, rate changes {stepping}, then {decay}"
+    return f"{rate}, rate changes {stepping} in the warm-up, then {decay}"
+
+
 NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm,
                torch.nn.LocalResponseNorm)
 

@@ -193,11 +193,13 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
             undo.pop_all()  # the run owns them now (release)
             return run
         given = " (train.global_batch_size)" if cfg.train.global_batch_size else ""
+        warm = cfg.optim.warmup_epochs > 0 and schedule.start_lr != schedule.peak_lr
         log(f"hvdtrain: global batch {global_batch}{given} = {cfg.train.batch_size}/rank x {world_size} ranks "
-            f"x {passes} passes; lr {schedule.start_lr:.4g} -> {schedule.peak_lr:.4g}"
+            f"x {passes} passes; lr "
+            + (f"{schedule.start_lr:.4g} -> {schedule.peak_lr:.4g}" if warm else f"{schedule.peak_lr:.4g}")
             + rate_note(cfg, rate_batch, global_batch, world_size)
-            + f" over {cfg.optim.warmup_epochs:g} "
-            f"warm-up epochs, {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch"
+            + (f" over {cfg.optim.warmup_epochs:g} warm-up epochs" if warm else ", no warm-up")
+            + f", {cfg.optim.schedule} schedule; {steps_per_epoch} steps/epoch"
             f"{'' if cfg.elastic.enabled else last_batch_note(cfg, loaders, world_size)}; "
             f"compression {compression_for(cfg, device)}; amp {cfg.amp.dtype if cfg.amp.enabled else 'off'}"
             + (f"; {cfg.model.dtype}" if cfg.model.dtype != "float32" else ""))
@@ -233,24 +235,16 @@ def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> st
     the first epoch ends."""
     from ..data.image.policies import strength
     from ..data.image.transforms import val_image_size, val_resize_size
-    from ..optim.build import describe_exemption, lr_at
+    from ..optim.build import describe_exemption, describe_schedule
 
     optim, every = cfg.optim, cfg.eval.every_epochs
-    first, steps = lr_at(0, schedule), schedule.steps_per_epoch
-    last_warm = lr_at(max(math.ceil(optim.warmup_epochs * steps) - 1, 0), schedule)
-    stepping = {"step": "every step", "epoch": "once per epoch",
-                "epoch_warmup_end": "once per epoch, warm-up epochs at their end value"}[optim.lr_step]
-    decay = optim.schedule + {"step": f" {step_milestones_text(optim, schedule)}",
-                              "constant": ""}.get(optim.schedule, f" to {optim.end_lr:g}")
-    decay += "" if optim.warmup_prefix or optim.schedule == "step" else " over the whole run (warm-up inside it)"
     size = val_image_size(cfg.data)
     model_cfg = cfg.model
     init = [text for on, text in ((model_cfg.conv_init != "default", f"convolutions Kaiming {model_cfg.conv_init}"),
                                   (model_cfg.head_init_std > 0, f"classifier N(0, {model_cfg.head_init_std:g})"),
                                   (model_cfg.zero_init_residual, "last BatchNorm of each block at 0"),
                                   (model_cfg.blurpool, "BlurPool")) if on]
-    return (f"warm-up {first:.4g} (step 0) -> {last_warm:.4g} (last warm-up step) -> peak {schedule.peak_lr:.4g}, "
-            f"rate changes {stepping}, then {decay}; {describe_exemption(model, optim)}; "
+    return (f"{describe_schedule(optim, schedule)}; {describe_exemption(model, optim)}; "
             f"{'init: ' + ', '.join(init) + '; ' if init else ''}loss {optim.loss}"
             f"{f' (targets > {optim.bce_target_threshold:g} set to 1)' if optim.bce_target_threshold else ''}, "
             f"label smoothing {optim.label_smoothing:g}; augmentation: {strength(cfg.augment)}"
@@ -260,19 +254,6 @@ def recipe_line(cfg: Config, model: torch.nn.Module, schedule: LRSchedule) -> st
             f"({cfg.data.val_interpolation}){', flip averaged' if cfg.eval.flip else ''}, "
             + ("every epoch" if every == 1 else f"after epochs {cfg.eval.offset_epochs + 1}, "
                f"{cfg.eval.offset_epochs + 1 + every}, ... and the last"))
-
-
-def step_milestones_text(optim, schedule: LRSchedule) -> str:
-    """Where the step schedule steps, as the recipe line says it: 'x0.1 every 30 epochs (at 30, 60 of
-    90)', 'x0.1 at epochs 30, 60, 80 (fixed)' or 'x0.1 at epochs 6.667, 13.33, 17.78 (30/60/80 of 90,
-    scaled)'."""
-    at = ", ".join(f"{m:.4g}" for m in schedule.step_milestones()) or "none within the run"
-    factor = f"x{optim.step_gamma:g}"
-    if optim.step_every_epochs:
-        return f"{factor} every {optim.step_every_epochs} epochs (at {at} of {schedule.epochs})"
-    if schedule.milestones:
-        return f"{factor} at epochs {at} (fixed)"
-    return f"{factor} at epochs {at} (30/60/80 of 90, scaled to {schedule.epochs})"
 
 
 def add_recipe_state(run: Run, quiet: bool = False) -> None:

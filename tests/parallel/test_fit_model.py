@@ -86,7 +86,7 @@ def test_the_port_matches_ddp_resumes_exactly_and_says_when_it_had_finished(tmp_
     assert re.search(r"epoch 10/10  train loss [0-9.]+ \| val loss [0-9.]+, val accuracy [0-9.]+%", result.stdout), \
         result.stdout[-2000:]
     assert "global batch 64 (train.global_batch_size) = 32/rank x 2 ranks" in result.stdout
-    assert "lr 0 -> 0.05 over 0 warm-up epochs, constant schedule" in result.stdout
+    assert "lr 0.05, no warm-up, constant schedule" in result.stdout
     # Run again: nothing to train, one line that it had finished, with the final metrics.
     again = launch("horovodrun-gloo", 2, port(whole), tmp_path)
     finished = [line for line in again.stdout.splitlines() if "this run had finished" in line]

@@ -518,6 +518,32 @@ def test_startup_line_shows_warmup_exemption_augmentation_and_validation():
     assert "crop area 0.05,1.0" in mlperf and "after epochs 3, 7, ... and the last" in mlperf
 
 
+def test_startup_line_says_the_rate_changes_only_where_it_does():
+    """A warm-up and a cosine decay move the rate every step (or epoch); a step schedule only at its
+    milestones, a constant rate never; a warm-up that starts at the peak is none."""
+    from hvdtrain.optim.build import describe_schedule
+
+    def said(*overrides: str, global_batch: int = 512) -> str:
+        optim = load_config("debug", list(overrides)).optim
+        return describe_schedule(optim, LRSchedule.from_config(optim, global_batch, 10, 100))
+
+    assert said("optim.schedule=constant", "optim.lr=0.05", "optim.warmup_epochs=0") == \
+        "no warm-up: peak 0.05 from step 0, then constant to the end"
+    assert said("optim.schedule=constant", "optim.lr=0.05", "optim.warmup_epochs=2", "optim.warmup_start=0") == \
+        ("warm-up 0 (step 0) -> 0.04975 (last warm-up step) -> peak 0.05, rate changes every step in the warm-up, "
+         "then constant to the end")
+    assert said("optim.schedule=step", "optim.base_lr=0.1", "optim.warmup_epochs=5", "optim.warmup_start=-1",
+                "optim.step_milestones=6,8", "optim.lr_step=epoch") == \
+        ("warm-up 0.1 (step 0) -> 0.18 (last warm-up step) -> peak 0.2, rate changes once per epoch in the warm-up, "
+         "then step x0.1 at epochs 6, 8 (fixed)")
+    # Goyal et al. at a global batch of 256: the warm-up would start at the peak.
+    assert said("optim.schedule=step", "optim.base_lr=0.1", "optim.warmup_epochs=5", "optim.warmup_start=-1",
+                "optim.step_milestones=6,8", global_batch=256) == \
+        "no warm-up: peak 0.1 from step 0, then step x0.1 at epochs 6, 8 (fixed)"
+    assert said("optim.schedule=cosine", "optim.lr=0.05", "optim.warmup_epochs=0", "optim.end_lr=0") == \
+        "no warm-up: peak 0.05 from step 0, then cosine to 0, rate changes every step"
+
+
 # --- pytorch/examples' imagenet/main.py ------------------------------------------------------------
 
 def test_main_py_preset_keeps_its_rate_at_any_number_of_ranks_and_steps_every_30_epochs():
@@ -533,8 +559,7 @@ def test_main_py_preset_keeps_its_rate_at_any_number_of_ranks_and_steps_every_30
 
     line = recipe_line(load_config("pytorch_examples"), models.resnet18(),
                        LRSchedule.from_config(load_config("pytorch_examples").optim, 256, 90, 5005))
-    assert "warm-up 0.1 (step 0) -> 0.1 (last warm-up step) -> peak 0.1" in line
-    assert "then step x0.1 every 30 epochs (at 30, 60 of 90)" in line
+    assert line.startswith("no warm-up: peak 0.1 from step 0, then step x0.1 every 30 epochs (at 30, 60 of 90); ")
     assert "weight decay 0.0001 on every parameter (62 tensors, 41 of them 1-d)" in line
     assert "validation 224 px center crop of 256 px (bilinear), every epoch" in line
 
