@@ -77,9 +77,11 @@ def check_core(cfg: Config) -> None:
         raise ConfigError("runtime.cpu_affinity=rank cannot be used with elastic.enabled=true (the ranks on a host "
                           "change as workers come and go): leave it at auto or none")
     if not cfg.train.drop_last and cfg.train.backward_passes_per_step > 1:
-        raise ConfigError(f"train.drop_last=false needs train.backward_passes_per_step=1 (got "
-                          f"{cfg.train.backward_passes_per_step}): a partial batch among accumulated passes would "
-                          "weigh its samples more than the others'; set train.drop_last=true")
+        raise ConfigError(f"train.backward_passes_per_step={cfg.train.backward_passes_per_step} also needs "
+                          "train.drop_last=true, and it is false here (as the pytorch_examples preset sets it, to "
+                          "train on main.py's last partial batch): a partial batch among accumulated passes would "
+                          "weigh its samples more than the others'; add train.drop_last=true, or keep "
+                          "train.backward_passes_per_step=1")
     if cfg.train.global_batch_size and cfg.elastic.enabled:
         raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} cannot be used with "
                           "elastic.enabled=true (an elastic run keeps train.batch_size per rank as ranks come and "

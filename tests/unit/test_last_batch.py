@@ -73,6 +73,15 @@ def test_the_start_up_line_says_what_becomes_of_the_last_batch():
 
 
 def test_a_partial_batch_among_accumulated_passes_is_refused_in_one_line():
-    with pytest.raises(ConfigError) as error:
-        load_config(None, ["train.drop_last=false", "train.backward_passes_per_step=2"])
-    assert "needs train.backward_passes_per_step=1" in str(error.value) and "\n" not in str(error.value)
+    """The preset that keeps main.py's last partial batch refuses accumulation in one line that names
+    the key to add; with it added, the config loads."""
+    for config, overrides in ((None, ["train.drop_last=false"]), ("pytorch_examples", [])):
+        with pytest.raises(ConfigError) as error:
+            load_config(config, overrides + ["train.backward_passes_per_step=2"])
+        assert str(error.value) == (
+            "train.backward_passes_per_step=2 also needs train.drop_last=true, and it is false here (as the "
+            "pytorch_examples preset sets it, to train on main.py's last partial batch): a partial batch among "
+            "accumulated passes would weigh its samples more than the others'; add train.drop_last=true, or keep "
+            "train.backward_passes_per_step=1")
+    cfg = load_config("pytorch_examples", ["train.backward_passes_per_step=2", "train.drop_last=true"])
+    assert (cfg.train.backward_passes_per_step, cfg.train.drop_last) == (2, True)
