@@ -564,6 +564,22 @@ def test_main_py_preset_keeps_its_rate_at_any_number_of_ranks_and_steps_every_30
     assert "validation 224 px center crop of 256 px (bilinear), every epoch" in line
 
 
+def test_from_ddp_maps_main_py_batch_by_how_it_was_started():
+    """main.py's -b is the node's batch when it spawns its processes (--multiprocessing-distributed
+    divides it by the GPUs) and each process's own under torchrun (no --gpu: nothing divides it): two
+    rows, two keys; the torchrun one lifts the preset's global batch, which an explicit per-rank batch
+    would contradict."""
+    text = (ROOT / "docs" / "from-ddp.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `-b N`")]
+    assert len(rows) == 2, rows
+    spawned, torchrun = rows
+    assert "--multiprocessing-distributed" in spawned and "`train.global_batch_size=N`" in spawned
+    assert "under `torchrun`" in torchrun and "`train.batch_size=N`" in torchrun
+    assert "`train.global_batch_size=0`" in torchrun
+    cfg = load_config("pytorch_examples", ["train.global_batch_size=0", "train.batch_size=256"])
+    assert (cfg.train.global_batch_size, cfg.train.batch_size) == (0, 256)
+
+
 def test_from_ddp_maps_main_py_to_keys_that_exist():
     """Every key the main.py section of docs/from-ddp.md gives (`section.key=value`) is a real key
     that takes that value."""
