@@ -11,6 +11,7 @@ key and what would have been valid.
                e.g. ``recommendation.embedding_dim``), and the keys that moved there
 - files.py     config files: shipped names, bounded safe YAML
 - checks.py    the core sections' checks, each one line
+- recipe_checks.py  those of the keys recipes set (augmentation, EMA, optimizers, schedules, target)
 - load.py      defaults < file < overrides (``read_config``), the task's section mounted and every
                section checked (``check_config``)
 
@@ -18,7 +19,7 @@ The config imports no other part of hvdtrain (tests/unit/test_house_rules.py): a
 task section the tasks' registry names, is loaded by hvdtrain/job_config.py (``load_config``).
 """
 
-from .checks import UPPER_BOUNDS, float_pair, milestone_epochs, step_range, target_value, validates_after
+from .checks import UPPER_BOUNDS, step_range, validates_after
 from .files import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, PACKAGED_CONFIGS, read_config_file, resolve_config_path
 from .keys import ConfigError
 from .load import (
@@ -33,6 +34,7 @@ from .load import (
     read_config,
     to_dict,
 )
+from .recipe_checks import float_pair, milestone_epochs, target_value
 from .root import MOVED_KEYS, Config, config_type, task_section
 from .run_sections import (
     CheckpointConfig,

@@ -17,7 +17,7 @@ from ..config import Config
 from ..data import DataError
 from ..data.loaders import Loaders
 from ..data.sampler import ShardedSampler
-from ..fault.watchdog import LivenessService, Peer, listen_addresses
+from ..fault.liveness import LivenessService, Peer, listen_addresses
 from ..model.finetune import apply_freeze
 from ..model.sync_bn import convert_sync_batchnorm
 from ..optim.build import LRSchedule

@@ -21,7 +21,8 @@ from ..comm import dist
 from ..comm.dist import log
 from ..config import Config, ConfigError, step_range, target_value
 from ..data.loaders import Loaders
-from ..fault.watchdog import LivenessService, Peer, Watchdog
+from ..fault.liveness import LivenessService, Peer
+from ..fault.watchdog import Watchdog
 from ..launch import host_malloc
 from ..launch.placement import place
 from ..observe import tracking

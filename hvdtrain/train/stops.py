@@ -7,7 +7,7 @@ import re
 
 from .. import outcome
 from ..comm import dist
-from ..fault.watchdog import lost_message
+from ..fault.liveness import lost_message
 from .guard import JobStopped
 from .run import Run
 

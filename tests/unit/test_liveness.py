@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.fault.watchdog import LivenessService, Peer, listen_addresses, lost_peers, ping
+from hvdtrain.fault.liveness import LivenessService, Peer, listen_addresses, lost_peers, ping
 from tests.helpers import REPO
 
 PING_BOUND = 2.0  # the ping's own timeout, which lost_peers (the watchdog) waits for
@@ -96,7 +96,7 @@ def test_a_connection_without_the_token_gets_no_answer(service):
 
 
 def test_the_reply_proves_the_token_and_is_bound_to_the_ping(service):
-    from hvdtrain.fault.watchdog import PING, PONG, proof
+    from hvdtrain.fault.liveness import PING, PONG, proof
 
     token = bytes.fromhex(peer_of(service).token)
     reply = exchange(service.port, PING + b"n1 " + proof(token, b"ping", b"n1") + b"\n")
@@ -158,7 +158,7 @@ def test_a_stopped_process_is_no_answer_and_a_dead_one_is_gone(tmp_path):
     script.write_text(
         "import json, sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from hvdtrain.fault.watchdog import LivenessService\n"
+        "from hvdtrain.fault.liveness import LivenessService\n"
         "s = LivenessService(3, ['127.0.0.1'])\n"
         "print(json.dumps(s.describe()), flush=True)\n"
         "time.sleep(60)\n")

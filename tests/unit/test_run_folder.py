@@ -1,4 +1,4 @@
-"""One job, one run folder (hvdtrain/train/run_folder.py, hvdtrain/launch/job.py): the folder a job
+"""One job, one run folder (hvdtrain/train/run_folder.py, run_claim.py, hvdtrain/launch/job.py): the folder a job
 writes to under each scheduler and outside one, a config file's folder that every job shares, the
 owner record and lock, and the line that stops a second job. tests/multinode/test_slurm_requeue.py
 submits two real jobs from one folder."""
@@ -17,8 +17,8 @@ from hvdtrain.config.files import read_config_file
 from hvdtrain.job_config import load_config
 from hvdtrain.launch.job import Job, current, resume_hint
 from hvdtrain.observe.metrics import MetricsWriter
-from hvdtrain.train import run_folder
-from hvdtrain.train.run_folder import FolderRefused, claim_folder, read_owner
+from hvdtrain.train import run_claim, run_folder
+from hvdtrain.train.run_claim import FolderRefused, claim_folder, read_owner
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train.sbatch", "SLURM_RESTART_COUNT": "1",
@@ -134,7 +134,7 @@ HOLDER = """
 import sys
 from pathlib import Path
 from hvdtrain.launch.job import Job
-from hvdtrain.train.run_folder import claim_folder
+from hvdtrain.train.run_claim import claim_folder
 claim_folder(Path(sys.argv[1]), "auto", Job("Slurm", "10", "train.sbatch", 0, "c1"))
 print("held", flush=True)
 sys.stdin.read()
@@ -161,15 +161,15 @@ def test_a_folder_in_use_stops_a_second_job_even_of_the_same_id(tmp_path):
 
 
 def test_without_file_locks_the_record_says_whether_its_job_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_folder, "take_lock", lambda path: (None, "unsupported"))
+    monkeypatch.setattr(run_claim, "take_lock", lambda path: (None, "unsupported"))
     claim_folder(tmp_path, "auto", slurm_job("10"))
     record = read_owner(tmp_path)
     (tmp_path / "job.json").write_text(json.dumps({**record, "pid": 999999999}))  # another process's
     with pytest.raises(FolderRefused, match="is in use by Slurm job 10"):
         claim_folder(tmp_path, "auto", slurm_job("11"), running=lambda record: record["job"] == "10")
     claim_folder(tmp_path, "auto", slurm_job("11"), running=lambda record: False)
-    assert run_folder.still_running({"scheduler": "Slurm", "job": "7"}, scontrol=lambda job: "RUNNING")
-    assert not run_folder.still_running({"scheduler": "Slurm", "job": "7"}, scontrol=lambda job: "COMPLETED")
+    assert run_claim.still_running({"scheduler": "Slurm", "job": "7"}, scontrol=lambda job: "RUNNING")
+    assert not run_claim.still_running({"scheduler": "Slurm", "job": "7"}, scontrol=lambda job: "COMPLETED")
 
 
 def test_every_metrics_record_names_its_job_and_attempt(tmp_path):

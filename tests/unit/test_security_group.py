@@ -19,7 +19,8 @@ import torch
 from hvdtrain.checkpoint import io as checkpoint
 from hvdtrain.launch.job import Job
 from hvdtrain.ownership import GROUP, UnsafePath, own_folder
-from hvdtrain.train.run_folder import FIX, FolderRefused, claim_folder, output_dir_problem
+from hvdtrain.train.run_claim import FolderRefused, claim_folder
+from hvdtrain.train.run_folder import FIX, output_dir_problem
 from tests import users
 
 
