@@ -32,6 +32,7 @@ import time
 import torch.distributed as tdist
 
 from ..config import ConfigError
+from .launcher_env import spans_hosts
 
 SECRET_VARIABLE = "HVDTRAIN_JOB_SECRET"
 SECRET_MIN = 32  # characters: e.g. `openssl rand -hex 32` gives 64
@@ -70,19 +71,6 @@ def bind_address(host: str) -> str:
                           "name or address") from None
     addresses = [info[4][0] for info in infos]
     return next((a for a in addresses if ipaddress.ip_address(a).version == 4), addresses[0])
-
-
-def spans_hosts() -> bool:
-    """Whether the launcher says the job's ranks run on more than one host (Slurm's node count,
-    Open MPI's and torchrun's local sizes); False where none says."""
-    def number(name: str) -> int:
-        try:
-            return int(os.environ.get(name, "0"))
-        except ValueError:
-            return 0
-    return number("SLURM_JOB_NUM_NODES") > 1 or number("SLURM_NNODES") > 1 or \
-        0 < number("OMPI_COMM_WORLD_LOCAL_SIZE") < number("OMPI_COMM_WORLD_SIZE") or \
-        0 < number("LOCAL_WORLD_SIZE") < number("WORLD_SIZE")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -87,20 +87,31 @@ def horovod_missing() -> bool:
 
 
 def spans_hosts() -> bool:
-    """Whether this job's ranks run on more than one host, as the launcher says (horovodrun's cross
-    size, torchrun's or mpirun's world against local size, Slurm's node count)."""
+    """Whether this job's ranks run on more than one host, as the launcher says; the one answer for
+    every check that matters only across hosts (a host name or MASTER_ADDR on loopback).
+
+    The launcher that started the ranks decides: horovodrun's cross size, else the first of
+    horovodrun's, torchrun's and mpirun's world and local sizes that are both set. Only where none
+    is set does the Slurm allocation's node count answer (either of its two variables over 1): an
+    allocation of several nodes may run a job on one of them (torchrun on the first node alone). A
+    value that is not a number says nothing, and the next source is asked."""
     env = os.environ
-    pairs = (("HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE"), ("WORLD_SIZE", "LOCAL_WORLD_SIZE"),
-             ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"))
-    try:
-        if "HOROVOD_CROSS_SIZE" in env:
-            return int(env["HOROVOD_CROSS_SIZE"]) > 1
-        for total, local in pairs:
-            if total in env and local in env:
-                return int(env[total]) > int(env[local])
-        return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1) > 1
-    except ValueError:
-        return False
+
+    def number(name: str) -> int | None:
+        try:
+            return int(env[name])
+        except (KeyError, ValueError):
+            return None
+
+    cross = number("HOROVOD_CROSS_SIZE")
+    if cross is not None:
+        return cross > 1
+    for total, local in (("HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE"), ("WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+                         ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
+        world, here = number(total), number(local)
+        if world is not None and here is not None:
+            return world > here
+    return any((number(name) or 0) > 1 for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
 
 
 def loopback_name_problem(iface_variable: str = "", fix: str = "") -> str | None:

@@ -22,7 +22,8 @@ WHERE = "127.0.0.1:1"
 @pytest.fixture(autouse=True)
 def one_host(monkeypatch):
     """No launcher variable says the ranks span hosts (a test sets its own)."""
-    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE",
+                 "HOROVOD_CROSS_SIZE", "HOROVOD_LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -74,6 +75,24 @@ def test_a_loopback_master_addr_for_ranks_on_several_hosts_is_one_line(monkeypat
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=r"^MASTER_ADDR=localhost is 127\.0\.0\.1 on rank 0's host, a loopback "):
         job_store.listen("localhost", free_port())
+
+
+def test_torchrun_on_one_node_of_a_larger_allocation_may_meet_on_loopback(monkeypatch):
+    """The launcher that started the ranks says where they run, not the allocation around it:
+    torchrun --nproc_per_node 2 on the first node of a two-node Slurm allocation has both ranks on
+    this host, so a loopback MASTER_ADDR reaches them all (the store once refused it, reading the
+    node count first, where the loopback-name check did not)."""
+    from hvdtrain.comm import launcher_env
+
+    for name, value in {"SLURM_JOB_NUM_NODES": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    port = free_port()
+    with job_store.listen("localhost", port) as sock:
+        assert sock.getsockname() == ("127.0.0.1", port)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank a node: the other is on the second node
+    with pytest.raises(ConfigError, match=r"^MASTER_ADDR=localhost is 127\.0\.0\.1 on rank 0's host, a loopback "):
+        job_store.listen("localhost", free_port())
+    assert job_store.spans_hosts is launcher_env.spans_hosts  # one answer for both loopback checks
 
 
 def test_an_address_of_another_host_or_no_host_is_one_line():

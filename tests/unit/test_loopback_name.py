@@ -29,6 +29,10 @@ def loopback_name(monkeypatch):
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, True), ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, False),
     ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, True), ({"SLURM_JOB_NUM_NODES": "3"}, True),
     ({}, False),
+    # The launcher's sizes before the allocation's node count: torchrun on one node of two.
+    ({"SLURM_JOB_NUM_NODES": "2", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, False),
+    # Slurm's node count from either variable; a value that is no number says nothing.
+    ({"SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "2"}, True), ({"HOROVOD_CROSS_SIZE": "x", "SLURM_NNODES": "2"}, True),
 ])
 def test_spans_hosts_reads_each_launcher(loopback_name, monkeypatch, env, spans):
     for key, value in env.items():
