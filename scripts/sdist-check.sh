@@ -17,9 +17,8 @@
 # <repo>/.cache/setup), so a cache another user can write, or swap, is refused; so is an sdist
 # (HOROVOD_SDIST) that another user can write, though its copy is checked anyway.
 
-# private_to_owner: may only this user or root change a file or folder (a folder with the sticky bit
-# may be writable by all)
-source "$(dirname -- "${BASH_SOURCE[0]}")/wheel-check.sh"
+# private_to_owner, owned_chain: may only this user or root change a file, and the folders above it
+source "$(dirname -- "${BASH_SOURCE[0]}")/owner-check.sh"
 
 # Set by private_cache and checked_sdist: the reason the cache or the sdist may not be used; the
 # checked copy of the sdist.
@@ -66,14 +65,10 @@ private_cache() {
         sdist_problem="the setup cache $cache can be written by others than you and root ($(owner_and_mode "$real")), so the Horovod it builds could be swapped: run chmod go-w '$real', or set HVDTRAIN_CACHE to a folder of yours"
         return 1
     fi
-    path=$real
-    while [[ $path != / ]]; do
-        path=$(dirname -- "$path")
-        if ! owner_only "$path" folder; then
-            sdist_problem="the folder $path above the setup cache $cache can be changed by others than you and root ($(owner_and_mode "$path"), no sticky bit), so the Horovod it builds could be swapped: set HVDTRAIN_CACHE to a folder of yours"
-            return 1
-        fi
-    done
+    if ! owned_chain owner_only "$real"; then
+        sdist_problem="the folder $owned_chain_failed above the setup cache $cache can be changed by others than you and root ($(owner_and_mode "$owned_chain_failed"), no sticky bit), so the Horovod it builds could be swapped: set HVDTRAIN_CACHE to a folder of yours"
+        return 1
+    fi
 }
 
 # 0 when SDIST, copied into the folder DEST, has the SHA-256 sum SHA256: checked_sdist is the copy.

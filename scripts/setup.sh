@@ -108,7 +108,7 @@ load_horovod_series || die "$horovod_patches_problem"
 
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
-stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/sdist-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
+stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/sdist-check.sh" "$repo/scripts/owner-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
             "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras-$engine
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"

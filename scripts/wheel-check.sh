@@ -30,15 +30,8 @@
 checked_wheel=""
 wheel_problem=""
 
-# 0 when PATH (a file or folder; /dev/fd/N: an open file) can be changed by this user or root alone;
-# $2=folder: a sticky folder may be writable by all.
-private_to_owner() {
-    local owner mode
-    read -r owner mode < <(stat -L -c '%u %a' -- "$1") || return 1
-    [[ $owner == "$(id -u)" || $owner == 0 ]] || return 1
-    (( (8#$mode & 8#022) == 0 )) && return 0
-    [[ ${2:-} == folder ]] && (( (8#$mode & 8#1000) != 0 ))
-}
+# private_to_owner, owned_chain: who may change the wheel, and every folder above it
+source "$(dirname -- "${BASH_SOURCE[0]}")/owner-check.sh"
 
 # The reason PATH ($2: what stat reads, default PATH itself) may not vouch for the wheel $3.
 unsafe_reason() {
@@ -47,7 +40,7 @@ unsafe_reason() {
 }
 
 verified_wheel() {
-    local wheel=$1 root=$2 dest=$3 hashes=${4:-} real_root real_wheel path sum listed fd
+    local wheel=$1 root=$2 dest=$3 hashes=${4:-} real_root real_wheel sum listed fd
     checked_wheel="" wheel_problem=""
     real_root=$(realpath -e -- "$root") && real_wheel=$(realpath -e -- "$wheel") || {
         wheel_problem="cannot resolve $wheel or $root"; return 1; }
@@ -59,15 +52,8 @@ verified_wheel() {
     if [[ -z $hashes ]]; then
         if ! private_to_owner "/dev/fd/$fd"; then
             wheel_problem=$(unsafe_reason "$real_wheel" "/dev/fd/$fd" "$wheel")
-        else
-            path=$real_wheel
-            while [[ $path != / ]]; do
-                path=$(dirname -- "$path")
-                if ! private_to_owner "$path" folder; then
-                    wheel_problem=$(unsafe_reason "$path" "$path" "$wheel")
-                    break
-                fi
-            done
+        elif ! owned_chain private_to_owner "$real_wheel"; then
+            wheel_problem=$(unsafe_reason "$owned_chain_failed" "$owned_chain_failed" "$wheel")
         fi
         if [[ -z $wheel_problem && $(stat -L -c '%d:%i' -- "$real_wheel") != $(stat -L -c '%d:%i' "/dev/fd/$fd") ]]; then
             wheel_problem="$wheel was replaced while it was checked: run setup again"

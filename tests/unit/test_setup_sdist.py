@@ -147,7 +147,7 @@ def test_the_write_bit_of_a_users_private_group_lets_nobody_else_in():
     scratch = users.scratch()
     try:
         (scratch / "bin").mkdir()
-        for name in ("sdist-check.sh", "wheel-check.sh"):  # the scripts, where that user can read them
+        for name in ("sdist-check.sh", "owner-check.sh"):  # the scripts, where that user can read them
             shutil.copy(REPO / "scripts" / name, scratch / "bin" / name)
         users.as_user(me.pw_name, "umask 002 && mkdir -p home/cache", cwd=scratch)
         cache = scratch / "home" / "cache"

@@ -100,6 +100,35 @@ def test_a_folder_above_the_wheelhouse_that_another_user_owns_is_refused(wheelho
                                     f"(owner uid 12345, mode 700)")
 
 
+def owned_chain(check: str, path: Path) -> tuple[int, str]:
+    """scripts/owner-check.sh's owned_chain CHECK PATH, sourced alone: (its status, owned_chain_failed)."""
+    script = f'source {REPO / "scripts" / "owner-check.sh"}; owned_chain {check} "$1"; echo "$? $owned_chain_failed"'
+    out = subprocess.run(["bash", "-c", script, "bash", str(path)], capture_output=True, text=True, timeout=30)
+    status, _, failed = out.stdout.strip().partition(" ")
+    return int(status), failed
+
+
+def test_one_walk_up_the_folders_serves_the_wheel_and_the_setup_cache(tmp_path):
+    """wheel-check.sh and sdist-check.sh walk from a file up to / with the same function: it stops at
+    the first folder its check refuses and names it; a sticky folder (as /tmp) passes."""
+    below = tmp_path / "a" / "b" / "c"
+    below.mkdir(parents=True)
+    for folder in (tmp_path / "a", tmp_path / "a" / "b", below):
+        folder.chmod(0o755)
+    assert owned_chain("private_to_owner", below / "file") == (0, "")
+    (tmp_path / "a").chmod(0o777)
+    (tmp_path / "a" / "b").chmod(0o777)  # the first one up from the file is the one named
+    assert owned_chain("private_to_owner", below / "file") == (1, str(tmp_path / "a" / "b"))
+    (tmp_path / "a" / "b").chmod(0o1777)
+    assert owned_chain("private_to_owner", below / "file") == (1, str(tmp_path / "a"))
+    (tmp_path / "a").chmod(0o1777)
+    assert owned_chain("private_to_owner", below / "file") == (0, "")
+    for name, check in (("wheel-check.sh", "private_to_owner"), ("sdist-check.sh", "owner_only")):
+        text = (REPO / "scripts" / name).read_text()
+        assert f"owned_chain {check} " in text, f"{name} does not walk up the folders with owned_chain"
+        assert "while [[ $path != / ]]" not in text, f"{name} walks up the folders on its own"
+
+
 def test_a_wheel_swapped_while_it_is_checked_is_never_installed(wheelhouse, tmp_path):
     """The check and the copy read one open file: a wheel renamed over the checked one between the two
     (here from inside the check's own walk up the folders) is noticed, never copied."""
@@ -109,8 +138,11 @@ def test_a_wheel_swapped_while_it_is_checked_is_never_installed(wheelhouse, tmp_
     evil.chmod(0o644)
     tools = tmp_path / "tools"
     tools.mkdir()
-    (tools / "dirname").write_text(f'#!/bin/sh\nif [ ! -e "{tmp_path}/swapped" ]; then touch "{tmp_path}/swapped"; '
-                                   f'mv -f "{evil}" "{wheel}"; fi\nexec {shutil.which("dirname")} "$@"\n')
+    # The first step up from the wheel itself (the script's own dirname, to find owner-check.sh, runs
+    # before the wheel is opened).
+    (tools / "dirname").write_text(f'#!/bin/sh\nif [ "$2" = "{wheel}" ] && [ ! -e "{tmp_path}/swapped" ]; then '
+                                   f'touch "{tmp_path}/swapped"; mv -f "{evil}" "{wheel}"; fi\n'
+                                   f'exec {shutil.which("dirname")} "$@"\n')
     (tools / "dirname").chmod(0o755)
     result = subprocess.run(["bash", str(CHECK), str(wheel), str(root), str(dest), ""], capture_output=True, text=True,
                             timeout=30, env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}"})
@@ -152,7 +184,7 @@ def test_setup_installs_prebuilt_wheels_only_through_the_check():
     # the image build: the script is in the builder, and build-local.sh hands over the sums
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     assert dockerfile.count("COPY scripts/setup.sh scripts/wheel-check.sh scripts/sdist-check.sh "
-                            "/opt/hvdtrain/src/scripts/") == 2
+                            "scripts/owner-check.sh /opt/hvdtrain/src/scripts/") == 2
     assert "HVDTRAIN_WHEELHOUSE_SHA256=${HVDTRAIN_WHEELHOUSE_SHA256}" in dockerfile
     assert '--build-arg "HVDTRAIN_WHEELHOUSE_SHA256=$sums"' in (REPO / "docker" / "build-local.sh").read_text()
 
