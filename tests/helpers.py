@@ -188,12 +188,12 @@ def assert_matches_one_rank(one_probe: Path, one_run: Path, two_probe: Path, two
     return two
 
 
-def tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def tb_scalars(run_dir: Path, folder: Path | None = None) -> dict[str, list[tuple[int, float]]]:
     """The run's TensorBoard scalars as TensorBoard itself reads them (its EventAccumulator, which
-    applies the purge marks of resumed runs): tag -> [(global step, value), ...]."""
+    applies the purge marks of resumed runs), from its tb/ or ``folder``: tag -> [(global step, value), ...]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(folder or run_dir / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 

@@ -94,6 +94,8 @@ def check_core(cfg: Config) -> None:
         raise ConfigError(f"config key 'optim.label_smoothing' must be below 1, got {cfg.optim.label_smoothing}")
     if not cfg.output.dir:
         raise ConfigError("config key 'output.dir' must not be empty")
+    if not cfg.output.tensorboard and (cfg.output.tensorboard_dir or cfg.output.tensorboard_tags != "hvdtrain"):
+        raise ConfigError("output.tensorboard_dir and output.tensorboard_tags need output.tensorboard=true")
     if cfg.model.dtype == "float64" and cfg.amp.enabled:
         raise ConfigError("model.dtype=float64 and amp.enabled=true exclude each other (set amp.enabled=false)")
     stall = cfg.dist

@@ -114,7 +114,15 @@ class OutputConfig:
     """A progress line every this many optimizer steps (main.py's --print-freq), and the bar's loss and metric updated
     as often; 0 = every 10% of the epoch, at most every 10 s."""
     tensorboard: bool = True
-    """tensorboardX scalars under <output.dir>/tb."""
+    """tensorboardX scalars under <output.dir>/tb (or output.tensorboard_dir)."""
+    tensorboard_dir: str = ""
+    """The folder of the TensorBoard event files, where the team's dashboards look (Horovod's example's --log-dir; one
+    folder per run: TensorBoard names a run by its folder); made and checked as tb/ is (yours, nobody else can write it
+    or swap it; output.share=group lets the group read it); empty = <output.dir>/tb."""
+    tensorboard_tags: Literal["hvdtrain", "horovod_example"] = "hvdtrain"
+    """The epoch curves' names: hvdtrain = every value of metrics.jsonl (train/loss, val/top1 in percent, ...) at the
+    global step; horovod_example = Horovod's example's train/loss, train/accuracy, val/loss, val/accuracy (a fraction)
+    at the 0-based epoch, with hvdtrain's values (every image counted once; docs/tracking.md)."""
     share: Literal["private", "group"] = "private"
     """Who may read the run folder: private = you alone (folders 0700, files 0600); group = your group too (0750, 0640;
     within your umask), and a group-writable run folder is accepted, as is a project folder above it that the group

@@ -118,6 +118,16 @@ class StepCurves:
         self.mark, self.last_point = (step, now, local), step
 
 
+def tensorboard_folder(run_dir: Path, tensorboard_dir: str = "") -> Path:
+    """Where the event files go: output.tensorboard_dir, or the run folder's tb/."""
+    return Path(os.path.expanduser(tensorboard_dir)) if tensorboard_dir else run_dir / "tb"
+
+
+# Horovod's examples/pytorch/pytorch_imagenet_resnet50.py: its tags (each epoch, at the 0-based epoch)
+# and the value of an epoch record each one takes (accuracy a fraction, hvdtrain's top1 a percentage).
+EXAMPLE_TAGS = {"loss": ("loss", 1.0), "top1": ("accuracy", 0.01)}
+
+
 def restrict_event_files(folder: Path, share: str) -> None:
     """Give tensorboardX's event files in ``folder`` the mode of the run's other files (0600 in a
     private run): tensorboardX creates them with plain ``open`` (0644 within the umask), and creates
@@ -141,26 +151,30 @@ class MetricsWriter:
     legs of a resumed run join up. A run that resumes from step ``start_step`` opens its event file
     with TensorBoard's purge mark just after it: points a crashed leg wrote past its last
     checkpoint, which this leg trains again, are hidden (tensorboardX's ``purge_step``); those up to
-    the checkpoint stay."""
+    the checkpoint stay. The event files go to ``tb_dir`` (output.tensorboard_dir; default ``tb/``);
+    with ``tags="horovod_example"`` the epoch records become Horovod's example's four curves instead
+    (``EXAMPLE_TAGS``, at the 0-based epoch, as its ``log_writer.add_scalar`` calls)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, share: str = PRIVATE, start_step: int = 0,
-                 stamp: dict[str, Any] | None = None):
+                 stamp: dict[str, Any] | None = None, tb_dir: Path | None = None, tags: str = "hvdtrain"):
         self.path = run_dir / "metrics.jsonl"
         self.stamp = dict(stamp or {})  # what every record carries: the job and attempt that wrote it
         self.ranks_path = run_dir / RANKS_FILE
-        self.share = share
+        self.share, self.tags = share, tags
         self.tb = None
         self.lost: dict[str, int] = {}
         if tensorboard:
             SummaryWriter = summary_writer_class()
 
             # tensorboardX writes its own files: into a folder of this user's that nobody else can write
-            own_folder(run_dir / "tb", share, what="tensorboard folder", fix="set output.dir=/a/folder/of/yours")
+            folder = tb_dir or run_dir / "tb"
+            key = "output.dir" if folder == run_dir / "tb" else "output.tensorboard_dir"
+            own_folder(folder, share, what="tensorboard folder", fix=f"set {key}=/a/folder/of/yours")
             # The suffix orders the legs' files by their start even within one second (the file
             # name's time has whole seconds), which TensorBoard's reader follows.
-            self.tb = SummaryWriter(logdir=str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None,
+            self.tb = SummaryWriter(logdir=str(folder), purge_step=start_step + 1 if start_step else None,
                                     filename_suffix=f".step{start_step:012d}")
-            restrict_event_files(run_dir / "tb", share)
+            restrict_event_files(folder, share)
 
 
     def write(self, record: dict[str, Any]) -> None:
@@ -178,6 +192,12 @@ class MetricsWriter:
         if self.tb is not None and record.get("split") in ("train", "val"):
             try:
                 split, step = record["split"], record["step"]
+                if self.tags == "horovod_example":
+                    for key, (tag, scale) in EXAMPLE_TAGS.items():
+                        if isinstance(record.get(key), (int, float)):
+                            self.tb.add_scalar(f"{split}/{tag}", record[key] * scale, global_step=record["epoch"])
+                    self.tb.flush()
+                    return
                 for key, value in record.items():
                     if key not in ("split", "epoch", "step", *self.stamp) and isinstance(value, (int, float)) \
                             and not isinstance(value, bool):

@@ -19,7 +19,7 @@ from ..fault.preemption import StopRequest
 from ..launch.job import current as current_job
 from ..launch.job import resume_hint
 from ..observe import tracking
-from ..observe.metrics import MetricSums, MetricsWriter, StepCurves
+from ..observe.metrics import MetricSums, MetricsWriter, StepCurves, tensorboard_folder
 from ..observe.rank_logs import write_host_map
 from ..observe.report import add_rank_report
 from ..ownership import own_folder, write_atomic
@@ -48,7 +48,9 @@ class Outputs:
                 write_host_map(run.run_dir, [(p.rank, p.host, p.pid) for p in run.peers], share)
             self.writer = MetricsWriter(run.run_dir, tensorboard=run.cfg.output.tensorboard, share=share,
                                         start_step=run.state.position.step,
-                                        stamp=run.claim.stamp() if run.claim is not None else None)
+                                        stamp=run.claim.stamp() if run.claim is not None else None,
+                                        tb_dir=tensorboard_folder(run.run_dir, run.cfg.output.tensorboard_dir),
+                                        tags=run.cfg.output.tensorboard_tags)
             if run.cfg.output.tensorboard:
                 self.curves = StepCurves(run.cfg.tracking.every_steps, self.writer)
             if run.resume_changes:  # what changed at this resume (checkpoint.resume=force, or allowed keys)

@@ -107,17 +107,21 @@ def setup(cfg: Config, writes: bool = True, evaluating: bool = False, claim_fold
         liveness, peers = build_peers(elastic)
         undo.callback(liveness.close)
         claim = None
+        # output.tensorboard_dir, checked with the run folder (its default, tb/, is in it)
+        own_tensorboard = Path(os.path.expanduser(cfg.output.tensorboard_dir)) \
+            if cfg.output.tensorboard and cfg.output.tensorboard_dir else None
         if writes:
             problem, claim = prepare_output_dir(Path(cfg.output.dir), dist.is_primary(), None if elastic else
                                                 lambda found: dist.broadcast_object(found, name="hvdtrain.output_dir"),
                                                 share=cfg.output.share, resume=cfg.checkpoint.resume,
-                                                claim=claim_folder)
+                                                claim=claim_folder, tensorboard=own_tensorboard)
             if problem:
                 raise ConfigError(problem)
             if claim is not None:
                 undo.callback(claim.abandon)  # nothing of the run written yet: the folder as it was
             log(f"hvdtrain: output folder {Path(cfg.output.dir).absolute()}"
                 + sharing_note(Path(cfg.output.dir), cfg.output.share)
+                + (f"; TensorBoard in {own_tensorboard.absolute()}" if own_tensorboard else "")
                 + (f" ({claim.job.label()}, attempt {claim.attempt} on this folder)"
                    if claim is not None and claim.job.id else ""))
             for note in claim.notes if claim is not None else ():

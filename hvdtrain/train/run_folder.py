@@ -79,16 +79,18 @@ FIX = ("run from a folder you can write to (sbatch runs the job in the folder yo
 SUBFOLDERS = ("checkpoints", "tb")
 
 
-def output_dir_problem(path: Path, share: str = PRIVATE) -> str | None:
+def output_dir_problem(path: Path, share: str = PRIVATE, tensorboard: Path | None = None) -> str | None:
     """None when ``path`` is a folder this user may write into (made here, with ``share``'s mode, if
     need be; hvdtrain/ownership.py: yours, nobody else can write or swap it), and so is each of its
-    subfolders that hvdtrain writes into and that exists already; else one line naming the folder,
-    its owner and the fix."""
+    subfolders that hvdtrain writes into and that exists already, and ``tensorboard`` (the folder
+    output.tensorboard_dir names); else one line naming the folder, its owner and the fix."""
     try:
         own_folder(path, share, what="output folder", fix=FIX)
         for name in SUBFOLDERS:
             if os.path.lexists(path / name):
                 own_folder(path / name, share, what="output folder", fix=FIX)
+        if tensorboard is not None:
+            own_folder(tensorboard, share, "tensorboard folder", "set output.tensorboard_dir=/a/folder/of/yours")
     except UnsafePath as error:
         return str(error)
     if not os.access(path, os.W_OK | os.X_OK):
@@ -110,7 +112,7 @@ def sharing_note(path: Path, share: str) -> str:
 
 def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object], object] | None,
                        share: str = PRIVATE, resume: str = AUTO, job: Job | None = None,
-                       claim: bool = True) -> tuple[str | None, Claim | None]:
+                       claim: bool = True, tensorboard: Path | None = None) -> tuple[str | None, Claim | None]:
     """Rank 0 creates the run folder, checks it and claims it for this job (``claim_folder``); every
     rank gets its one-line problem (or None), so that all of them stop together instead of waiting in
     a collective for a rank that crashed. Returns (the problem, rank 0's claim).
@@ -121,7 +123,7 @@ def prepare_output_dir(path: Path, is_primary: bool, broadcast: Callable[[object
     problem, held = None, None
     if is_primary:
         existed = path.exists()
-        problem = output_dir_problem(path, share)
+        problem = output_dir_problem(path, share, tensorboard)
         if problem is None and claim:
             try:
                 held = claim_folder(path, resume, job, share=share)
