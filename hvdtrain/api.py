@@ -179,8 +179,9 @@ def evaluate_checkpoint_file(path: Path, overrides: Iterable[str] | Mapping[str,
 
 def checkpoint_config(path: Path, overrides: Iterable[str] | Mapping[str, Any] = (), task: TaskSource = None,
                       how: str = "--task my_task.py:MyTask") -> Config:
-    """The config that evaluates a checkpoint: the one it records, then ``overrides``, with the task
-    the caller names (``task``, or a ``task`` override) checked against the recorded one.
+    """The config that evaluates a checkpoint: the one it records (Horovod's example's records none:
+    the ``horovod_example`` preset, the example's recipe), then ``overrides``, with the task the
+    caller names (``task``, or a ``task`` override) checked against the recorded one.
 
     Names in a checkpoint are data, not code: a recorded task that is not built in is never
     imported (tasks.checkpoint_task), and no other recorded value reaches an import (model.arch
@@ -189,7 +190,11 @@ def checkpoint_config(path: Path, overrides: Iterable[str] | Mapping[str, Any] =
     from .checkpoint import io as checkpoints  # torch: after the arguments are in
     from .tasks import checkpoint_task
 
-    cfg = from_dict(checkpoints.load(path)["config"], stored=True)
+    payload = checkpoints.load(path)
+    if payload.get("written_by") == checkpoints.HOROVOD_EXAMPLE:  # no config inside: the example's recipe
+        cfg = load_config(checkpoints.HOROVOD_EXAMPLE)
+    else:
+        cfg = from_dict(payload["config"], stored=True)
     recorded = cfg.task
     if isinstance(overrides, Mapping):
         named_here = "task" in overrides

@@ -32,6 +32,11 @@ from ..redact import mask_values
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "step", "config")
 FORMAT = 3  # 3: RunState.state_dict() + "ranks"; 2: "rng" and "rank_buffers" lists, "best_top1"
 NUMBERED = re.compile(r"^step-(\d+)\.pt$")
+# Horovod's examples/pytorch/pytorch_imagenet_resnet50.py: save_checkpoint writes {'model': ...,
+# 'optimizer': ...} to --checkpoint-format's checkpoint-{epoch}.pth.tar after `epoch` epochs.
+HOROVOD_EXAMPLE = "horovod_example"
+EXAMPLE_NAME = re.compile(r"^checkpoint-(\d+)\.pth\.tar$")
+EXAMPLE_KEYS = ("model", "optimizer")
 
 
 class CheckpointError(RuntimeError):
@@ -215,13 +220,37 @@ def load(path: Path, share: str | None = None) -> dict[str, Any]:
         reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
         raise CheckpointError(f"checkpoint '{path}' is unreadable ({reason}); "
                               f"delete it or point checkpoint.resume at another file") from None
+    if EXAMPLE_NAME.match(path.name) or (isinstance(payload, dict) and sorted(payload) == list(EXAMPLE_KEYS)):
+        return horovod_example(path, payload)
     if not isinstance(payload, dict) or any(key not in payload for key in REQUIRED_KEYS):
         raise CheckpointError(f"checkpoint '{path}' is not an hvdtrain checkpoint "
-                              f"(needs keys {', '.join(REQUIRED_KEYS)})")
+                              f"(needs keys {', '.join(REQUIRED_KEYS)}) nor Horovod's example's "
+                              f"(checkpoint-EPOCH.pth.tar with keys {', '.join(EXAMPLE_KEYS)})")
     if int(payload.get("format", 2)) > FORMAT:
         raise CheckpointError(f"checkpoint '{path}' has format {payload['format']}, newer than this hvdtrain "
                               f"reads ({FORMAT}); upgrade hvdtrain")
     return upgrade(payload)
+
+
+def horovod_example(path: Path, payload: Any) -> dict[str, Any]:
+    """Horovod's example's checkpoint (``EXAMPLE_NAME``, the model's and the optimizer's state dicts
+    and nothing else; the epochs trained from its name, as the example's resume_from_epoch) as a
+    payload of this format: ``written_by`` says whose it is, and the step, the optimizer's own layout
+    and every rank's state are left to resume (train/resume.py: adopt_example). Anything else in
+    such a file is refused in one line: it is the example's or it is not used."""
+    name = EXAMPLE_NAME.match(path.name)
+    keys = sorted(payload) if isinstance(payload, dict) else []
+    if keys != list(EXAMPLE_KEYS) or not all(isinstance(payload[key], dict) for key in EXAMPLE_KEYS) or not name:
+        held = f"keys {', '.join(map(str, keys))}" if keys else f"a {type(payload).__name__}"
+        raise CheckpointError(f"checkpoint '{path}' is not Horovod's example's: that is checkpoint-EPOCH.pth.tar "
+                              f"holding the dicts {' and '.join(EXAMPLE_KEYS)} alone, this is named {path.name} "
+                              f"and holds {held}")
+    epochs = int(name.group(1))
+    if epochs < 1:
+        raise CheckpointError(f"checkpoint '{path}': the example numbers its checkpoints from 1 (the epochs "
+                              f"trained), not {epochs}")
+    return {"model": payload["model"], "optimizer": payload["optimizer"], "epoch": epochs, "step": 0,
+            "config": {}, "ranks": [], "format": FORMAT, "written_by": HOROVOD_EXAMPLE}
 
 
 def upgrade(payload: dict[str, Any]) -> dict[str, Any]:

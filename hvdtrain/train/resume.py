@@ -36,13 +36,18 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
                  else checkpoint.load_for_resume(run.cfg.checkpoint.resume, run.run_dir / "checkpoints", log,
                                                  share=run.cfg.output.share))
         if found is not None:
-            refused = same_run(run, found) if path is None else None
+            foreign = found[1].get("written_by") == checkpoint.HOROVOD_EXAMPLE
+            if foreign:  # Horovod's example's: model and optimizer, the epoch from the file's name
+                refused = example_problem(run, found) if path is None else None
+                found = (Path(f"{found[0]} (Horovod's example's, after {found[1]['epoch']} epochs)"), found[1])
+            else:
+                refused = same_run(run, found) if path is None else None
             # A class folder gone is said as such, before the classifier's shape it changes (model_fit).
             refused = refused or vanished_classes(found[1].get("task") or {}, run.task.checkpoint_metadata(),
                                                   str(found[0]), f"{run.cfg.data.dir or 'the data'}/train")
             refused = refused or model_fit(found[1].get("model", {}), run.state.model, str(found[0]))
             if refused is None:
-                run.state.load_state_dict(found[1])
+                run.state.load_state_dict(adopt_example(run, found[1], path is None) if foreign else found[1])
         elif run.cfg.model.weights:  # a fresh run starts from model.weights; the broadcast below shares them
             log(f"hvdtrain: {load_weights(run.state.model, run.cfg.model)}")
     if not broadcast:
@@ -69,7 +74,7 @@ def resume(run: Run, path: Path | None = None, broadcast: bool = True) -> None:
     same_world = run.state.load_rank_state(ranks, dist.rank(), dist.size(),
                                            fallback_seed=run.cfg.seed + 1000003 * dist.rank() + position.step)
     log(resumed_line(run, resumed["source"]))
-    if not same_world and not run.evaluating:  # an evaluation steps nothing: no batch or rate to rescale
+    if not same_world and ranks and not run.evaluating:  # an evaluation steps nothing: no rate to rescale
         rounded = position.samples_in_epoch - position.step_in_epoch * run.global_batch
         log(f"hvdtrain: the checkpoint was written by {len(ranks)} ranks, this job has {dist.size()}: "
             f"global batch {run.global_batch}, learning rate rescaled"
@@ -100,6 +105,50 @@ def same_run(run: Run, found: tuple[Path, dict[str, Any]]) -> str | None:
         log(f"hvdtrain: resuming {found[0]} with changed settings: {listed(changed)}"
             + (" (checkpoint.resume=force; recorded in metrics.jsonl)" if meaning else ""))
     return None
+
+
+def example_problem(run: Run, found: tuple[Path, dict[str, Any]]) -> str | None:
+    """Why Horovod's example's checkpoint cannot continue this run (one line), or None: its optimizer
+    state must be an SGD's over this model's parameters in one group (the example's
+    ``SGD(model.parameters(), ...)``), with this run's momentum, Nesterov and weight decay."""
+    source, saved = found[0], found[1]["optimizer"]
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not (isinstance(groups, list) and groups and isinstance(state, dict)
+            and all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups)):
+        return f"checkpoint {source}: its 'optimizer' is not an optimizer's state dict (param_groups and state)"
+    count = len(list(run.state.model.parameters()))
+    if [index for group in groups for index in group["params"]] != list(range(count)):
+        return (f"checkpoint {source}: its optimizer holds {sum(len(g['params']) for g in groups)} parameters in "
+                f"{len(groups)} group(s), where the example's holds this model's {count} in one")
+    first, optim = groups[0], run.cfg.optim
+    theirs = {"optim.name": "sgd" if "dampening" in first else "not SGD", "optim.momentum": first.get("momentum"),
+              "optim.nesterov": bool(first.get("nesterov")), "optim.weight_decay": first.get("weight_decay"),
+              "optim.no_decay": "none"}
+    ours = {"optim.name": optim.name, "optim.momentum": optim.momentum, "optim.nesterov": optim.nesterov,
+            "optim.weight_decay": optim.weight_decay, "optim.no_decay": optim.no_decay}
+    differ = [f"{key}={theirs[key]} (this run: {ours[key]})" for key in ours if theirs[key] != ours[key]]
+    if differ:
+        return (f"checkpoint {source} was trained with {', '.join(differ)}: set the example's (--config "
+                f"horovod_example has them), or start from its weights alone with model.weights=FILE")
+    if run.cfg.ema.decay > 0:
+        return f"checkpoint {source} holds no EMA weights to continue: set ema.decay=0"
+    return None
+
+
+def adopt_example(run: Run, payload: dict[str, Any], with_optimizer: bool) -> dict[str, Any]:
+    """Horovod's example's payload in this run's layout: the momentum of the example's i-th parameter
+    (``model.parameters()`` order) under the index this run's optimizer gives that parameter (its own
+    groups: optim.no_decay, heads), this run's hyperparameters kept; the global step from the epochs
+    trained and this run's steps per epoch. ``with_optimizer=False`` (an evaluation): the model only."""
+    adopted = {**payload, "step": payload["epoch"] * run.steps_per_epoch, "optimizer": {}}
+    if with_optimizer:
+        saved, optimizer = payload["optimizer"]["state"], run.state.optimizer
+        example_index = {id(param): index for index, param in enumerate(run.state.model.parameters())}
+        ours = [param for group in optimizer.param_groups for param in group["params"]]
+        state = {index: saved[example_index[id(param)]] for index, param in enumerate(ours)
+                 if saved.get(example_index[id(param)])}
+        adopted["optimizer"] = {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+    return adopted
 
 
 def evaluate_checkpoint(cfg: Config, path: Path) -> dict[str, Any]:
