@@ -220,7 +220,9 @@ def load(path: Path, share: str | None = None) -> dict[str, Any]:
         reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
         raise CheckpointError(f"checkpoint '{path}' is unreadable ({reason}); "
                               f"delete it or point checkpoint.resume at another file") from None
-    if EXAMPLE_NAME.match(path.name) or (isinstance(payload, dict) and sorted(payload) == list(EXAMPLE_KEYS)):
+    hvdtrains = isinstance(payload, dict) and all(key in payload for key in REQUIRED_KEYS)
+    if not hvdtrains and (EXAMPLE_NAME.match(path.name) or (isinstance(payload, dict)
+                                                            and sorted(payload) == list(EXAMPLE_KEYS))):
         return horovod_example(path, payload)
     if not isinstance(payload, dict) or any(key not in payload for key in REQUIRED_KEYS):
         raise CheckpointError(f"checkpoint '{path}' is not an hvdtrain checkpoint "

@@ -112,6 +112,10 @@ def test_anything_else_in_such_a_file_is_refused_in_one_line(tmp_path):
         with pytest.raises(checkpoint.CheckpointError) as error:
             checkpoint.load(tmp_path / name)
         assert words in str(error.value) and "\n" not in str(error.value), (name, str(error.value))
+    # hvdtrain's own checkpoint copied to the example's kind of name is still hvdtrain's.
+    own = {"model": state["model"], "optimizer": state["optimizer"], "epoch": 1, "step": 4, "config": {}}
+    torch.save(own, tmp_path / "checkpoint-7.pth.tar")
+    assert "written_by" not in checkpoint.load(tmp_path / "checkpoint-7.pth.tar")
 
 
 class Planted:
