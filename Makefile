@@ -32,17 +32,20 @@ endif
 # signal's round trip) the other computes. A test file stays on one worker, tests/multinode on one.
 TEST_WORKERS ?= 2
 
-# The house rules a tool keeps: ruff's lint (pyproject.toml, [tool.ruff]) before any test; the
-# module-size and layering contracts are unit tests (tests/unit/test_module_size.py, test_layers.py).
-# ruff comes with the test extra (scripts/test-deps.sh, which lint runs first: make test-fast right
-# after make setup finds ruff, pytest-xdist and pytest-timeout), as pytest-xdist does.
+# The house rules a tool keeps: ruff's lint (pyproject.toml, [tool.ruff]) and mypy's type check of
+# the modules its [tool.mypy] lists, before any test; the module-size and layering contracts are
+# unit tests (tests/unit/test_module_size.py, test_layers.py). ruff and mypy come with the test
+# extra (scripts/test-deps.sh, which lint runs first: make test-fast right after make setup finds
+# ruff, mypy, pytest-xdist and pytest-timeout), as pytest-xdist does.
 lint: setup
 	@VENV="$(VENV)" bash scripts/test-deps.sh
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 test: setup
 	@VENV="$(VENV)" bash scripts/test-deps.sh
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The docker image built for real with podman (offline Debian base, the host's CA bundle as a build

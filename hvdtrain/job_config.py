@@ -61,4 +61,5 @@ def describe_keys(with_tasks: bool = True) -> list[tuple[str, str, Any, str]]:
         from .tasks import registry
 
         sections = [registry.settings_of(name) for name in registry.TASKS]
-    return describe_config_keys([(section, settings) for section, settings in sections if section])
+    return describe_config_keys([(section, settings) for section, settings in sections
+                                 if section and settings is not None])

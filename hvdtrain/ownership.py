@@ -123,7 +123,7 @@ def _above_problem(folder: Path, info: os.stat_result, share: str) -> str | None
     return None
 
 
-def folder_problem(path: str | os.PathLike, share: str = PRIVATE) -> str | None:
+def folder_problem(path: str | os.PathLike[str], share: str = PRIVATE) -> str | None:
     """Why the folder ``path`` must not be written into, or None (a missing folder: the problem of
     the folders above it, where it would be made). The reason names the path and its owner; the
     caller adds the fix."""
@@ -159,7 +159,7 @@ def folder_problem(path: str | os.PathLike, share: str = PRIVATE) -> str | None:
     return None
 
 
-def own_folder(path: str | os.PathLike, share: str = PRIVATE, what: str = "folder",
+def own_folder(path: str | os.PathLike[str], share: str = PRIVATE, what: str = "folder",
                fix: str = "use a folder of your own") -> Path:
     """The folder ``path``, made (with the folders it lacks, mode ``folder_mode(share)``) or checked:
     the user's own, and nobody else can write to it or swap it (the module docstring). Otherwise
@@ -193,7 +193,7 @@ def own_folder(path: str | os.PathLike, share: str = PRIVATE, what: str = "folde
 FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def folder_descriptor_problem(descriptor: int, path: str | os.PathLike, share: str = PRIVATE) -> str | None:
+def folder_descriptor_problem(descriptor: int, path: str | os.PathLike[str], share: str = PRIVATE) -> str | None:
     """Why the open folder ``descriptor`` (opened as ``path``) must not be written into, or None: it
     must be the user's, and nobody else may write to it (the group only when shared with)."""
     info = os.fstat(descriptor)
@@ -204,7 +204,7 @@ def folder_descriptor_problem(descriptor: int, path: str | os.PathLike, share: s
     return None
 
 
-def open_folder(path: str | os.PathLike, share: str = PRIVATE, what: str = "folder",
+def open_folder(path: str | os.PathLike[str], share: str = PRIVATE, what: str = "folder",
                 fix: str = "use a folder of your own") -> int:
     """A descriptor of the folder ``path``, made or checked by ``own_folder``, opened without following
     a link and checked again on the descriptor. What is written relative to it (``replace_file``'s
@@ -225,7 +225,7 @@ def open_folder(path: str | os.PathLike, share: str = PRIVATE, what: str = "fold
 
 # --- files hvdtrain trusts -------------------------------------------------------------------------
 
-def trust_problem(info: os.stat_result, path: str | os.PathLike, share: str = PRIVATE) -> str | None:
+def trust_problem(info: os.stat_result, path: str | os.PathLike[str], share: str = PRIVATE) -> str | None:
     """Why the file ``path`` (whose ``stat`` is ``info``) is not to be trusted as the user's own
     state, or None: not a regular file, owned by someone other than the user or root, or writable by
     others (the group too unless shared with)."""
@@ -238,7 +238,7 @@ def trust_problem(info: os.stat_result, path: str | os.PathLike, share: str = PR
     return None
 
 
-def open_trusted(path: str | os.PathLike, share: str = PRIVATE) -> int:
+def open_trusted(path: str | os.PathLike[str], share: str = PRIVATE) -> int:
     """A read-only descriptor of ``path`` when it is trusted (``trust_problem``), checked on that
     descriptor, so that what is read is what was checked. A link is followed only when it is the
     user's or root's. ``UnsafePath`` (the reason, without a fix) or ``OSError`` (missing, unreadable)."""
@@ -265,7 +265,7 @@ def open_trusted(path: str | os.PathLike, share: str = PRIVATE) -> int:
 
 # --- writing without following links ---------------------------------------------------------------
 
-def open_append(path: str | os.PathLike, share: str = PRIVATE) -> IO[str]:
+def open_append(path: str | os.PathLike[str], share: str = PRIVATE) -> IO[str]:
     """``path`` opened to append text: made with ``file_mode(share)`` if missing, never through a
     link, and only when it is a regular file of this user's with one name (a hard link planted at
     the name would lead to another file). ``PermissionError`` (an ``OSError``, as a full disk is:
@@ -283,7 +283,7 @@ def open_append(path: str | os.PathLike, share: str = PRIVATE) -> IO[str]:
     return os.fdopen(descriptor, "a", encoding="utf-8")
 
 
-def replace_file(path: str | os.PathLike, write: Callable[[IO[bytes]], None], share: str = PRIVATE,
+def replace_file(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object], share: str = PRIVATE,
                  sync: bool = False, dir_fd: int | None = None) -> None:
     """Replace ``path`` with what ``write(handle)`` writes: into a fresh temporary file made with
     O_EXCL in the same folder (mode ``file_mode(share)`` within the umask), then renamed over
@@ -314,13 +314,13 @@ def replace_file(path: str | os.PathLike, write: Callable[[IO[bytes]], None], sh
             os.close(folder)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, share: str = PRIVATE, sync: bool = False) -> None:
+def write_atomic(path: str | os.PathLike[str], data: bytes | str, share: str = PRIVATE, sync: bool = False) -> None:
     """``replace_file`` with ``data`` (text as UTF-8)."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
     replace_file(path, lambda handle: handle.write(payload), share, sync)
 
 
-def sync_folder(path: str | os.PathLike) -> None:
+def sync_folder(path: str | os.PathLike[str]) -> None:
     """fsync a folder, so that a rename in it survives a crash."""
     descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

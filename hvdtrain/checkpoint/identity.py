@@ -23,6 +23,9 @@ import torch
 
 from ..config import Config, flatten, migrate_moved_keys, to_dict
 
+# A key's value in the checkpoint's config, and now.
+Change = tuple[Any, Any]
+
 # Keys (or whole sections, with a trailing dot) that may change between the legs of one run.
 MAY_CHANGE = ("train.epochs", "train.target", "train.target_metric", "train.target_top1",
               "data.dir", "data.workers", "data.prefetch_factor", "data.mp_context", "data.index_cache",
@@ -39,14 +42,15 @@ def may_change(key: str) -> bool:
     return any(key == item or (item.endswith(".") and key.startswith(item)) for item in MAY_CHANGE)
 
 
-def differences(stored: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:
+def differences(stored: dict[str, Any], cfg: Config) -> tuple[dict[str, Change], dict[str, Change]]:
     """(keys that change what the run computes, keys that may change): key -> (checkpoint's, now).
     A key the checkpoint's config lacks (written by an older hvdtrain) counts as its default, and a key
     that moved since into the task's section is compared at its new place."""
     defaults = flatten(dataclasses.asdict(type(cfg)()))
     before = {**defaults, **flatten(migrate_moved_keys(stored))}
     now = flatten(to_dict(cfg))
-    meaning, allowed = {}, {}
+    meaning: dict[str, Change] = {}
+    allowed: dict[str, Change] = {}
     for key, value in now.items():
         if key in before and before[key] != value:
             (allowed if may_change(key) else meaning)[key] = (before[key], value)
@@ -57,13 +61,13 @@ def differences(stored: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], 
     return meaning, allowed
 
 
-def listed(changes: dict[str, tuple]) -> str:
+def listed(changes: dict[str, Change]) -> str:
     shown = [f"{key}={old!r} (now {new!r})" for key, (old, new) in list(changes.items())[:SHOWN]]
     more = len(changes) - SHOWN
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
-def refusal(source: str, changes: dict[str, tuple]) -> str:
+def refusal(source: str, changes: dict[str, Change]) -> str:
     return (f"checkpoint.resume: {source} belongs to another run: it was trained with {listed(changes)}; "
             f"start this run in another output.dir, or set checkpoint.resume=force to continue that run with "
             f"the new values (recorded in metrics.jsonl)")

@@ -22,7 +22,7 @@ import shutil
 import stat
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import torch
 
@@ -85,7 +85,7 @@ def atomic_save(payload: Any, path: Path, share: str = PRIVATE, dir_fd: int | No
     renamed (ownership.replace_file). ``dir_fd``: ``path``'s name in that open folder."""
     path = Path(path)
 
-    def write(handle) -> None:
+    def write(handle: IO[bytes]) -> None:
         try:
             torch.save(payload, handle)
         except RuntimeError as error:
@@ -148,7 +148,7 @@ class CheckpointSaver:
     def __init__(self, directory: Path, keep: int, share: str = PRIVATE):
         self.directory = Path(directory)
         self.keep, self.share = keep, share
-        self.fd: int | None = open_folder(self.directory, share, what="checkpoint folder",
+        self.fd: int = open_folder(self.directory, share, what="checkpoint folder",
                                           fix="set output.dir=/a/folder/of/yours")  # UnsafePath: one line, exit 2
         self._closer = weakref.finalize(self, os.close, self.fd)
 

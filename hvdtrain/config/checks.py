@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .keys import ConfigError
 from .recipe_checks import validate_finetune_and_augment, validate_recipes
 from .root import Config
@@ -10,7 +12,7 @@ from .root import Config
 def check_core(cfg: Config) -> None:
     """Cross-field and range checks of the core sections, each failing with one line (a task's own
     section is checked by its settings class: config/load.py)."""
-    positive = {
+    positive: dict[str, float] = {
         "train.epochs": cfg.train.epochs,
         "train.batch_size": cfg.train.batch_size,
         "train.backward_passes_per_step": cfg.train.backward_passes_per_step,
@@ -22,7 +24,7 @@ def check_core(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {value}")
-    non_negative = {
+    non_negative: dict[str, float] = {
         "train.steps_per_epoch": cfg.train.steps_per_epoch,
         "train.global_batch_size": cfg.train.global_batch_size,
         "optim.lr": cfg.optim.lr,
@@ -175,7 +177,7 @@ def check_upper_bounds(cfg: Config) -> None:
 
 
 # What only Horovod does, by the key that asks for it: refused under dist.engine=torch.
-HOROVOD_ONLY = {
+HOROVOD_ONLY: dict[str, tuple[str, Callable[[Config], bool]]] = {
     "elastic.enabled": ("Horovod Elastic", lambda cfg: cfg.elastic.enabled),
     "runtime.timeline": ("Horovod's timeline", lambda cfg: bool(cfg.runtime.timeline)),
     "dist.stall_shutdown_seconds": ("Horovod's stall inspector", lambda cfg: cfg.dist.stall_shutdown_seconds > 0),
@@ -191,12 +193,12 @@ def check_engine(cfg: Config) -> None:
     for key, (feature, asks) in HOROVOD_ONLY.items():
         if cfg.dist.engine == "torch" and asks(cfg):
             raise ConfigError(horovod_only(key, feature))
-    for setting, asks, fix in (
+    for setting, excluded, fix in (
             (f"optim.clip_grad_norm={cfg.optim.clip_grad_norm:g}", cfg.optim.clip_grad_norm > 0,
              "optim.clip_grad_norm=0"),
             ("amp.dtype=float16 (its GradScaler)", cfg.amp.enabled and cfg.amp.dtype == "float16",
              "amp.dtype=bfloat16 (no scaler) or amp.enabled=false")):
-        if cfg.dist.op == "adasum" and asks:
+        if cfg.dist.op == "adasum" and excluded:
             raise ConfigError(f"dist.op=adasum and {setting} exclude each other: Horovod's Adasum steps each rank "
                               "on its own gradients during backward, before they could be clipped or unscaled; "
                               f"set {fix}, or dist.op=average")

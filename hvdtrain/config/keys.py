@@ -115,7 +115,7 @@ def set_key(cfg: Any, dotted: str, value: Any, from_text: bool, wait: bool = Tru
                               + did_you_mean(type(cfg), dotted))
         tp = types[name]
         last = depth == len(parts) - 1
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if last:
                 if not isinstance(value, dict):
                     keys = ", ".join(sorted(field_types(tp)))
@@ -135,7 +135,7 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for name, tp in field_types(cls).items():
         keys.append(prefix + name)
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             keys += all_keys(tp, f"{prefix}{name}.")
     return keys
 

@@ -147,7 +147,7 @@ def describe_keys(sections: Iterable[tuple[str, type]] = ()) -> list[tuple[str, 
         docs = docs_of(cls)
         for name, tp in field_types(cls).items():
             value = getattr(instance, name)
-            if dataclasses.is_dataclass(tp):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{name}.", value)
             else:
                 rows.append((f"{prefix}{name}", type_name(tp), value, docs.get(name, "")))

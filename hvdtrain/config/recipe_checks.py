@@ -8,6 +8,7 @@ from fractions import Fraction
 
 from .keys import ConfigError
 from .root import Config
+from .sections import OptimConfig
 
 
 def float_pair(key: str, text: str) -> tuple[float, float]:
@@ -39,7 +40,7 @@ def milestone_epochs(text: str) -> tuple[float, ...]:
 
 
 
-def validate_step_schedule(optim) -> None:
+def validate_step_schedule(optim: OptimConfig) -> None:
     """optim.step_every_epochs, optim.step_milestones and optim.step_gamma: the step schedule's own keys."""
     milestones = milestone_epochs(optim.step_milestones)
     if optim.step_every_epochs < 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 from .keys import ConfigError, set_key
 from .run_sections import CheckpointConfig, DistConfig, ElasticConfig, OutputConfig, RuntimeConfig, TrackingConfig
@@ -51,13 +51,15 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Not a field: read by keys.set_key for its one-line message about a key that moved.
+    MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
 
     def __post_init__(self) -> None:
         # (dotted key, value, from_text) of sections that are not core ones, in the order given:
         # they wait for the task's section (bind_section). Not a field: never recorded.
         self.waiting: list[tuple[str, Any, bool]] = []
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # A config with a task's section is of a class made at run time: pickle it (loader workers
         # started by forkserver, deep copies) by its section and settings class instead.
         section = task_section(self)
@@ -65,7 +67,6 @@ class Config:
         return rebuild, (section, settings, dict(self.__dict__))
 
 
-Config.MOVED_KEYS = MOVED_KEYS  # read by keys.set_key for its one-line message
 CORE_SECTIONS = frozenset(f.name for f in dataclasses.fields(Config))
 _TYPES: dict[tuple[str, type], type[Config]] = {}
 
@@ -104,7 +105,7 @@ def bind_section(cfg: Config, section: str, settings: type | None, known_tasks: 
         cfg.__class__ = target
         if previous and previous != section:
             del cfg.__dict__[previous]
-        if section and section not in cfg.__dict__:
+        if section and settings is not None and section not in cfg.__dict__:
             setattr(cfg, section, settings())
     waiting, cfg.waiting = cfg.waiting, []
     for dotted, value, from_text in waiting:

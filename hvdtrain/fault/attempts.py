@@ -137,7 +137,7 @@ def no_progress_line(records: list[dict[str, Any]], step: int, startup_seconds: 
     startup = max([startup_seconds, *startups])
     step_text = f"a step {step_seconds:.3g} s" if step_seconds else "a step more"
     training = max(TRAINING_WANTED_SECONDS, 100 * step_seconds) if step_seconds else TRAINING_WANTED_SECONDS
-    if near_limit:
+    if near_limit and time_limit is not None:
         limit, elapsed = time_limit
         lead = max(0.0, limit - elapsed)
         minutes = math.ceil((startup + lead + training) / 60)

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, cast
 
 from ..comm import launcher_env as launcher
 
@@ -65,8 +65,8 @@ def _resolve(name: str | None) -> list[str]:
         found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
-    ipv4 = [info[4][0] for info in found if info[0] == socket.AF_INET]
-    return list(dict.fromkeys(ipv4 + [info[4][0] for info in found if info[0] == socket.AF_INET6]))
+    ipv4 = [str(info[4][0]) for info in found if info[0] == socket.AF_INET]
+    return list(dict.fromkeys(ipv4 + [str(info[4][0]) for info in found if info[0] == socket.AF_INET6]))
 
 
 def _loopback(address: str) -> bool:
@@ -237,7 +237,7 @@ class LivenessService:
                     pending[conn] = (time.monotonic() + CONNECTION_SECONDS, bytearray())
                     selector.register(conn, selectors.EVENT_READ)
                     continue
-                conn = key.fileobj
+                conn = cast(socket.socket, key.fileobj)  # every registered object but the server is one
                 try:
                     data = conn.recv(MAX_LINE)
                 except (BlockingIOError, InterruptedError):

@@ -197,7 +197,8 @@ def ignored_stop(rank: int, waited: float, timeout: float) -> None:
     for ``timeout`` since (called from the watchdog's thread). The rank is stuck where the stop is
     never checked, such as a loop in data code; the main thread's place is named. No checkpoint is
     written (the stuck state cannot be saved): the run resumes from its last one. Exit code 75."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main) if main is not None else None
     where = f" in {frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})" if frame is not None else ""
     print(f"hvdtrain: stop signal received {waited:.0f} s ago, but rank {rank} has made no progress for {timeout:g} s "
           f"(dist.timeout_seconds): it is stuck{where}. Ending it without a checkpoint; the run resumes from its "

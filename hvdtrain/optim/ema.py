@@ -50,7 +50,7 @@ class ModelEma:
         for param in self.module.parameters():
             param.requires_grad_(False)
         self.updates = 0
-        self.params = [p for p in self.module.parameters()]
+        self.params: list[torch.Tensor] = [p for p in self.module.parameters()]
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
