@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..config import ConfigError
-from ..config.checks import horovod_only
+from ..config.checks import HOROVOD_ONLY, horovod_only
 from . import launcher_env as launcher
 from . import objects
 
@@ -71,11 +71,12 @@ def init(gpu: bool | None = None, timeout_seconds: int = 0, elastic: bool = Fals
         raise ConfigError(f"dist.engine={engine}: this process already runs the {_engine.NAME} engine; "
                           "start a new process to change engines")
     if chosen.NAME == "torch":
-        for key, value, why in (("elastic.enabled", elastic, "Horovod Elastic"),
-                                ("dist.stall_shutdown_seconds", stall_shutdown_seconds, "Horovod's stall inspector"),
-                                ("runtime.timeline", timeline, "Horovod's timeline")):
-            if value:
-                raise ConfigError(horovod_only(key, why))
+        # The Horovod-only settings init is given (the others reach the optimizer): config/checks.py's list.
+        given = {"elastic.enabled": elastic, "dist.stall_shutdown_seconds": stall_shutdown_seconds,
+                 "runtime.timeline": timeline}
+        for setting in HOROVOD_ONLY:
+            if setting.key in given and setting.asks(given[setting.key]):
+                raise ConfigError(horovod_only(setting.key, setting.feature))
         chosen.init(gpu=gpu, timeout_seconds=timeout_seconds)
     else:
         chosen.init(gpu=gpu, timeout_seconds=timeout_seconds, elastic=elastic,

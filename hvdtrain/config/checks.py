@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from .keys import ConfigError
 from .recipe_checks import validate_finetune_and_augment, validate_recipes
@@ -176,23 +177,37 @@ def check_upper_bounds(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be at most {bound} ({unit}), got {value}")
 
 
-# What only Horovod does, by the key that asks for it: refused under dist.engine=torch.
-HOROVOD_ONLY: dict[str, tuple[str, Callable[[Config], bool]]] = {
-    "elastic.enabled": ("Horovod Elastic", lambda cfg: cfg.elastic.enabled),
-    "runtime.timeline": ("Horovod's timeline", lambda cfg: bool(cfg.runtime.timeline)),
-    "dist.stall_shutdown_seconds": ("Horovod's stall inspector", lambda cfg: cfg.dist.stall_shutdown_seconds > 0),
-    "dist.op": ("Horovod's Adasum", lambda cfg: cfg.dist.op == "adasum"),
-    "dist.gradient_predivide_factor": ("Horovod's pre-division", lambda cfg: cfg.dist.gradient_predivide_factor != 1),
-}
+@dataclass(frozen=True)
+class HorovodOnly:
+    """A setting only the Horovod engine honours: refused under dist.engine=torch in one line."""
+
+    key: str  # the config key that asks for it
+    setting: str  # the values that ask for it, as docs/launching.md ("Two engines") lists them
+    feature: str  # what of Horovod's it needs
+    asks: Callable[[Any], bool]  # whether the key's value asks for it
+
+
+# The one list of the Horovod-only settings: the config's check (check_engine), the torch engine's
+# own refusal at init (comm/dist.py) and docs/launching.md's table (tests/unit/test_torch_engine.py).
+HOROVOD_ONLY = (
+    HorovodOnly("elastic.enabled", "elastic.enabled=true", "Horovod Elastic", bool),
+    HorovodOnly("runtime.timeline", "runtime.timeline=PATH", "Horovod's timeline", bool),
+    HorovodOnly("dist.stall_shutdown_seconds", "dist.stall_shutdown_seconds > 0", "Horovod's stall inspector",
+                lambda seconds: seconds > 0),
+    HorovodOnly("dist.op", "dist.op=adasum", "Horovod's Adasum", lambda op: op == "adasum"),
+    HorovodOnly("dist.gradient_predivide_factor", "dist.gradient_predivide_factor != 1", "Horovod's pre-division",
+                lambda factor: factor != 1),
+)
 
 
 def check_engine(cfg: Config) -> None:
     """Under dist.engine=torch, one line for each Horovod-only setting (HOROVOD_ONLY); under Adasum,
     for what needs the gradients between backward and the step: Horovod's Adasum optimizer steps
     each rank on its own gradients during backward and combines the updates."""
-    for key, (feature, asks) in HOROVOD_ONLY.items():
-        if cfg.dist.engine == "torch" and asks(cfg):
-            raise ConfigError(horovod_only(key, feature))
+    for only in HOROVOD_ONLY if cfg.dist.engine == "torch" else ():
+        section, name = only.key.split(".")
+        if only.asks(getattr(getattr(cfg, section), name)):
+            raise ConfigError(horovod_only(only.key, only.feature))
     for setting, excluded, fix in (
             (f"optim.clip_grad_norm={cfg.optim.clip_grad_norm:g}", cfg.optim.clip_grad_norm > 0,
              "optim.clip_grad_norm=0"),

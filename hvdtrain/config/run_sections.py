@@ -17,8 +17,8 @@ class DistConfig:
     engine: Literal["horovod", "torch"] = "horovod"
     """What averages the gradients and runs the collectives: horovod (launch with horovodrun, mpirun, srun); torch =
     torch.distributed alone, Horovod not imported (launch with torchrun, or srun/mpirun with MASTER_ADDR and MASTER_PORT
-    exported; on more than one rank HVDTRAIN_JOB_SECRET too; Gloo on CPU, NCCL on GPU); Horovod's elastic mode,
-    timeline, stall shutdown, join and Adasum stay horovod's (docs/launching.md, "Two engines")."""
+    exported; on more than one rank HVDTRAIN_JOB_SECRET too; Gloo on CPU, NCCL on GPU); the settings only Horovod
+    has stay horovod's, refused under torch in one line (docs/launching.md, "Two engines", lists them)."""
     compression: Literal["auto", "none", "fp16"] = "auto"
     """Gradient compression on the wire; auto = fp16 on GPU, none on CPU."""
     op: Literal["average", "adasum"] = "average"

@@ -16,23 +16,50 @@ import torch
 
 from hvdtrain.comm.torch_optimizer import TOO_MANY_PASSES, GradientAverager
 from hvdtrain.config import ConfigError
+from hvdtrain.config.checks import HOROVOD_ONLY, horovod_only
 from hvdtrain.job_config import load_config
 from tests.helpers import REPO
 
+# A value of each Horovod-only setting that asks for Horovod: one per entry of HOROVOD_ONLY.
+ASKING = {
+    "elastic.enabled": "true", "runtime.timeline": "/tmp/timeline.json", "dist.stall_shutdown_seconds": "120",
+    "dist.op": "adasum", "dist.gradient_predivide_factor": "2",
+}
 
-@pytest.mark.parametrize("override, key", [
-    ("elastic.enabled=true", "elastic.enabled"),
-    ("runtime.timeline=/tmp/timeline.json", "runtime.timeline"),
-    ("dist.stall_shutdown_seconds=120", "dist.stall_shutdown_seconds"),
-    ("dist.op=adasum", "dist.op"),
-    ("dist.gradient_predivide_factor=2", "dist.gradient_predivide_factor"),
-])
-def test_horovod_only_settings_are_refused_under_the_torch_engine_in_one_line(override, key):
+
+def test_every_horovod_only_setting_is_tested():
+    assert [only.key for only in HOROVOD_ONLY] == list(ASKING)
+
+
+@pytest.mark.parametrize("key", list(ASKING))
+def test_horovod_only_settings_are_refused_under_the_torch_engine_in_one_line(key):
+    override = f"{key}={ASKING[key]}"
     load_config("debug", [override])  # the Horovod engine takes it
     with pytest.raises(ConfigError) as caught:
         load_config("debug", ["dist.engine=torch", override])
     message = str(caught.value)
-    assert "\n" not in message and f"'{key}'" in message and "set dist.engine=horovod" in message, message
+    feature = next(only.feature for only in HOROVOD_ONLY if only.key == key)
+    assert "\n" not in message and f"'{key}' needs {feature}," in message and "set dist.engine=horovod" in message
+
+
+def test_the_torch_engine_refuses_at_init_from_the_same_list():
+    """A caller that skips the config (dist.init directly) meets the same line, from the same list."""
+    from hvdtrain.comm import dist
+
+    for argument, key in (("elastic", "elastic.enabled"), ("timeline", "runtime.timeline"),
+                          ("stall_shutdown_seconds", "dist.stall_shutdown_seconds")):
+        with pytest.raises(ConfigError) as caught:
+            dist.init(gpu=False, engine="torch", **{argument: 60 if argument.startswith("stall") else True})
+        feature = next(only.feature for only in HOROVOD_ONLY if only.key == key)
+        assert str(caught.value) == horovod_only(key, feature)
+    assert not dist.initialized()
+
+
+def test_the_docs_table_of_horovod_only_settings_is_the_codes_list():
+    text = (REPO / "docs" / "launching.md").read_text(encoding="utf-8")
+    table = text.split("| setting | needs |\n| --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    rows = [tuple(cell.strip() for cell in line.strip("|").split("|")) for line in table.splitlines()]
+    assert rows == [(f"`{only.setting}`", only.feature) for only in HOROVOD_ONLY]
 
 
 def test_sparse_gradients_under_the_torch_engine_need_sparse_as_dense():
