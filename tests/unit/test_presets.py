@@ -453,7 +453,9 @@ def test_an_epoch_without_validation_checkpoints_and_logs_training_only(monkeypa
 
     calls = []
     monkeypatch.setattr(run_module, "evaluate", lambda *a, **k: calls.append("evaluate") or {})
-    monkeypatch.setattr(run_module, "save_checkpoint", lambda *a, **k: calls.append("checkpoint"))
+    # save_checkpoint calls on_saved once rank 0's write is done (None: nothing written here)
+    monkeypatch.setattr(run_module, "save_checkpoint",
+                        lambda *a, **k: calls.append("checkpoint") or k["on_saved"](None))
     monkeypatch.setattr(run_module, "audit_ranks", lambda *a, **k: None)
     monkeypatch.setattr(run_module, "add_rank_report", lambda *a, **k: None)
     written = []
