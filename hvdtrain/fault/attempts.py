@@ -120,7 +120,8 @@ def no_progress_line(records: list[dict[str, Any]], step: int, startup_seconds: 
                      time_limit: tuple[float, float] | None) -> str | None:
     """The line that ends requeuing, or None: this attempt stopped at global ``step`` without a
     step trained, as the attempt before it ended at the same step, and either that one trained
-    nothing either or this stop came near the job's time limit (``time_limit``: the limit and the
+    nothing either (the line says "twice") or this stop came near the job's time limit (the line
+    says how far the one before got) (``time_limit``: the limit and the
     job's run time at the stop, in seconds; None where unknown). Requeued again, the job would
     start, stop and requeue until HVDTRAIN_MAX_REQUEUES."""
     ends = [r for r in records if r.get("event") == "end"]
@@ -147,8 +148,15 @@ def no_progress_line(records: list[dict[str, Any]], step: int, startup_seconds: 
     else:
         ask = (f"give each attempt at least {math.ceil((startup + training) / 60)} min before its stop signal "
                f"(start-up and {training / 60:.0f} min of steps), or find what stops it this early")
-    return (f"attempts stopped twice at global step {step} without training a step: start-up takes about "
-            f"{startup:.0f} s and {step_text}, so a requeue would do the same again; not requeued (exit 2): {ask}")
+    if previous_idle:
+        what = f"attempts stopped twice at global step {step} without training a step"
+    else:  # the attempt before trained: only this one, stopped by the limit, trained nothing
+        trained = step - starts[-2]["step"] if len(starts) >= 2 and isinstance(starts[-2].get("step"), int) else None
+        before = f"{trained} step{'' if trained == 1 else 's'}" if trained is not None else "to that step"
+        what = (f"this attempt stopped at global step {step} without training a step (the one before it "
+                f"trained {before})")
+    return (f"{what}: start-up takes about {startup:.0f} s and {step_text}, so a requeue would do the same again; "
+            f"not requeued (exit 2): {ask}")
 
 
 def slurm_time_limit(job_id: str | None) -> tuple[float, float] | None:

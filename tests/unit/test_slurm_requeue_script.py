@@ -389,7 +389,8 @@ def test_a_time_limit_too_short_for_a_step_stops_the_requeues_in_one_line():
     assert no_progress_line(attempt_records((0, 11)), 11, 47.0, None) is None
     assert no_progress_line(attempt_records((0, 11)), 11, 47.0, (24 * 3600.0, 3600.0)) is None
     line = no_progress_line(attempt_records((0, 11)), 11, 47.0, (180.0, 60.0))
-    assert line == ("attempts stopped twice at global step 11 without training a step: start-up takes about 47 s "
+    assert line == ("this attempt stopped at global step 11 without training a step (the one before it trained 11 "
+                    "steps): start-up takes about 47 s "
                     "and a step 0.5 s, so a requeue would do the same again; not requeued (exit 2): the stop "
                     "signal came 60 s into a time limit of 3 min; submit it again with --time=13 or more "
                     "(start-up, the signal's lead of about 120 s and 10 min of steps)")
@@ -401,5 +402,9 @@ def test_a_time_limit_too_short_for_a_step_stops_the_requeues_in_one_line():
                          "or find what stops it this early")
     assert no_progress_line(attempt_records((0, 11), (11, 11)), 11, 45.0, (900.0, 40.0)) == line  # not the limit's
     assert no_progress_line(attempt_records((0, 11), (11, 12)), 12, 45.0, None) is None  # it made progress
+    # One step before, then none at the limit: "twice" would be false, and so would "step 0".
+    line = no_progress_line(attempt_records((0, 1)), 1, 47.0, (180.0, 60.0))
+    assert line.startswith("this attempt stopped at global step 1 without training a step (the one before it "
+                           "trained 1 step): start-up takes about 47 s and a step 0.5 s"), line
     assert [slurm_seconds(t) for t in ("00:03:00", "1-00:00:10", "05:00", "UNLIMITED")] == [180.0, 86410.0, 300.0,
                                                                                               None]
