@@ -270,9 +270,11 @@ run_and_requeue() {
 # A stop signal while COMMAND runs: said once, written to the stop file, handed to COMMAND; a repeat
 # (the helper step passing on the same stop, scontrol requeue's second signal) is absorbed.
 # `forward_after=SECONDS run_and_requeue ...` (srun): COMMAND gets the signal only once it has run
-# that long. srun hands it to every rank at once, and a rank still starting (on a slow file system,
-# seconds of Python's own start-up before hvdtrain catches it) ends on SIGUSR1; until then the
-# ranks read the stop file, and stop at their first step all the same.
+# that long, or once hvdtrain's rank 0 has set up its run folder (it writes `run_dir` into the stop
+# folder after every rank has joined the job, each with its handler set). srun hands the signal to
+# every rank at once, and a rank still starting (on a slow file system, seconds of Python's own
+# start-up before hvdtrain catches it) ends on SIGUSR1; until then the ranks read the stop file,
+# and stop at their first step all the same. What the line says follows which of the two it was.
 on_stop() {
     local got=$1 forward=$2 child=$3
     interrupted=1
@@ -282,11 +284,11 @@ on_stop() {
     stopping_since=$SECONDS
     stopped_by=$got
     echo "$got" >"$HVDTRAIN_STOP_FILE"
-    if ((SECONDS - ${launched:-0} >= ${forward_after:-0})); then
+    if ((SECONDS - ${launched:-0} >= ${forward_after:-0})) || [[ -f $HVDTRAIN_STOP_DIR/run_dir ]]; then
         echo "hvdtrain: job ${SLURM_JOB_ID:-?}: stop signal (SIG$got) received, passed to the ranks as SIG$forward" >&2
         kill "-$forward" "$child" 2>/dev/null || true
     else
-        echo "hvdtrain: job ${SLURM_JOB_ID:-?}: stop signal (SIG$got) received while the ranks start: they read it" \
-            "from the stop file" >&2
+        echo "hvdtrain: job ${SLURM_JOB_ID:-?}: stop signal (SIG$got) received while the ranks start (no run" \
+            "folder yet, $((SECONDS - ${launched:-0})) s after srun): they read it from the stop file" >&2
     fi
 }

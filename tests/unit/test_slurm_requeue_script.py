@@ -17,9 +17,11 @@ from hvdtrain.fault.attempts import exit_of, job_identity
 REQUEUE = Path(__file__).resolve().parents[2] / "hostfiles" / "slurm" / "requeue.sh"
 # Exits with $CODE after $TICKS tenths of a second, or with 75 once it gets SIGUSR1 (as the ranks do
 # after their checkpoint), saying each SIGUSR1 it got and what the stop file holds. It writes the run
-# folder into the stop folder, as hvdtrain's rank 0 does.
-COMMAND = """trap 'echo got USR1 >> "$LOG"; stop=1' USR1; echo started >> "$LOG"; stop=0; i=0
-printf '%s' "$RUN_DIR" > "$HVDTRAIN_STOP_DIR/run_dir"
+# folder into the stop folder first, as hvdtrain's rank 0 does once every rank has started (unless
+# NO_RUN_DIR is set: ranks still starting).
+COMMAND = """trap 'echo got USR1 >> "$LOG"; stop=1' USR1
+[ -n "${NO_RUN_DIR:-}" ] || printf '%s' "$RUN_DIR" > "$HVDTRAIN_STOP_DIR/run_dir"
+echo started >> "$LOG"; stop=0; i=0
 while ((stop == 0 && i < TICKS)); do
     if [ -n "${READ_STOP_FILE:-}" ] && [ -s "$HVDTRAIN_STOP_FILE" ]; then
         echo "read the stop file" >> "$LOG"; stop=1
@@ -185,14 +187,31 @@ def test_a_repeated_stop_signal_is_absorbed(tmp_path):
 
 def test_a_stop_while_the_ranks_start_reaches_them_through_the_stop_file_alone(tmp_path):
     """srun hands a signal to every rank at once, and one still starting would end on SIGUSR1: in
-    the ranks' first minute (forward_after) the stop file alone tells them."""
-    shell = start(tmp_path, code=0, forward_after=60, READ_STOP_FILE="1")
+    the ranks' first minute (forward_after), before rank 0 has set up its run folder, the stop file
+    alone tells them."""
+    shell = start(tmp_path, code=0, forward_after=60, READ_STOP_FILE="1", NO_RUN_DIR="1")
     wait_for_log(tmp_path, "started", shell)
     shell.send_signal(signal.SIGUSR1)
     _, err = shell.communicate(timeout=30)
     assert shell.returncode == 0, err
     assert log(tmp_path) == ["started", "read the stop file", "stop file: USR1", "scontrol requeue 42"]
-    assert "stop signal (SIGUSR1) received while the ranks start: they read it from the stop file" in err
+    said = re.search(r"stop signal \(SIGUSR1\) received while the ranks start \(no run folder yet, (\d+) s after "
+                     r"srun\): they read it from the stop file", err)
+    assert said and int(said.group(1)) < 60, err
+
+
+def test_a_stop_once_the_ranks_train_is_passed_to_them_within_their_first_minute(tmp_path):
+    """Ranks that started in seconds train long before forward_after is up: once rank 0 has set up
+    its run folder (every rank has joined, its handler set), the signal goes to them at once, and
+    the line does not say they are starting."""
+    shell = start(tmp_path, code=0, forward_after=60)
+    wait_for_log(tmp_path, "started", shell)
+    shell.send_signal(signal.SIGUSR1)
+    _, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert log(tmp_path) == ["started", "got USR1", "stop file: USR1", "scontrol requeue 42"]
+    assert "stop signal (SIGUSR1) received, passed to the ranks as SIGUSR1" in err, err
+    assert "while the ranks start" not in err, err
 
 
 def test_a_stop_before_the_ranks_start_requeues_with_nothing_started(tmp_path):
