@@ -9,12 +9,16 @@ PYTEST_ARGS ?=
 EXTRAS ?=
 # ENGINE=torch: an install without Horovod (no compile), for dist.engine=torch under torchrun
 ENGINE ?= $(if $(HVDTRAIN_ENGINE),$(HVDTRAIN_ENGINE),horovod)
+# TORCH=cpu: PyTorch's CPU-only torch and torchvision, for sites whose nodes have no GPU (no CUDA
+# libraries or triton, about 3.5 GB less); cuda, the default, runs with or without a GPU
+TORCH ?= $(HVDTRAIN_TORCH)
 
 .PHONY: setup demo lint test test-fast image test-image test-unit test-horovod bench clean
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (pyproject.toml's optional-dependencies, pinned).
 setup:
-	@EXTRAS="$(EXTRAS)" HVDTRAIN_ENGINE="$(ENGINE)" HVDTRAIN_VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" bash scripts/setup.sh
+	@EXTRAS="$(EXTRAS)" HVDTRAIN_ENGINE="$(ENGINE)" HVDTRAIN_TORCH="$(TORCH)" HVDTRAIN_VENV="$(abspath $(VENV))" \
+		PYTHON="$(PYTHON)" bash scripts/setup.sh
 
 ifeq ($(ENGINE),torch)
 # The torch engine admits only ranks that know the job's secret (docs/security.md): one per run,

@@ -30,6 +30,13 @@
 #                              toolkit and NCCL are all found; a toolkit alone is not enough, because
 #                              GPU ops on a host without a driver hang hvd.join under Gloo and fail it
 #                              under MPI. nccl builds them regardless (images built for GPU hosts)
+#   HVDTRAIN_TORCH=cuda|cpu    which build of torch and torchvision (scripts/torch-wheels.sh; `make setup
+#                              TORCH=cpu` passes it). cuda (default): the registry's, which runs with or
+#                              without a GPU and brings about 3.5 GB of CUDA libraries and triton. cpu:
+#                              PyTorch's CPU-only wheels (HVDTRAIN_TORCH_INDEX=URL, default
+#                              https://download.pytorch.org/whl/cpu, or a mirror of it), for sites whose
+#                              nodes have no GPU. Asking a venv for the other build replaces the one
+#                              it has (torch, torchvision, triton, nvidia-*)
 #   HVDTRAIN_SYSTEM_TORCH=1    reuse a torch already installed in the base Python (GPU images that
 #                              ship their own torch); the venv then sees system site-packages
 #   HVDTRAIN_KEEP_PIP_CONFIG=1 keep this machine's pip configuration (default: ignore it, so that the
@@ -79,9 +86,10 @@ horovod_sha256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 cache=${HVDTRAIN_CACHE:-$repo/.cache/setup}
 jobs=$(nproc 2>/dev/null || echo 2)
 
-# Pins. torch/torchvision are the registry's CUDA builds: there is no CPU-only torchvision wheel,
-# and the CUDA build runs fine on machines without a GPU.
+# Pins. torch/torchvision: the registry's CUDA build (it runs on machines without a GPU too), or with
+# HVDTRAIN_TORCH=cpu PyTorch's CPU-only build of the same versions (scripts/torch-wheels.sh).
 torch_pins=(torch==2.13.0 torchvision==0.28.0)
+torch_build_wanted=${HVDTRAIN_TORCH:-cuda}
 # pyproject.toml pins the same versions (tests/unit/test_supply_chain.py keeps the two in step).
 python_pins=(mpi4py==4.1.2 tensorboardX==2.6.5 pyyaml==6.0.3 tqdm==4.70.1 numpy==2.4.6 pillow==13.0.0 simplejpeg==1.9.0
              matplotlib==3.11.2 pytest==9.2.0 cloudpickle==3.1.3 psutil==7.2.2 packaging==26.4 cffi==2.1.1
@@ -101,6 +109,13 @@ case $engine in
         python_pins=("${pins[@]}") ;;
     *) die "HVDTRAIN_ENGINE must be horovod or torch, not '$engine'" ;;
 esac
+# torch_pip_args, torch_build, torch_build_packages: which build of torch to install
+source "$repo/scripts/torch-wheels.sh"
+torch_pip_args "$torch_build_wanted" "${torch_pins[@]}" || die "$torch_problem"
+[[ -z ${HVDTRAIN_SYSTEM_TORCH:-} || -z ${HVDTRAIN_TORCH:-} ]] ||
+    die "HVDTRAIN_SYSTEM_TORCH keeps the base Python's torch, and HVDTRAIN_TORCH=$HVDTRAIN_TORCH asks for another: set one of them"
+[[ $torch_build_wanted != cpu || $gpu_ops != nccl ]] ||
+    die "HVDTRAIN_GPU_OPS=nccl needs torch's CUDA build, and HVDTRAIN_TORCH=cpu asks for the CPU-only one: set one of them"
 
 # load_horovod_series, horovod_series_id, apply_horovod_series: the patches to Horovod
 source "$repo/scripts/horovod-patches.sh"
@@ -108,8 +123,9 @@ load_horovod_series || die "$horovod_patches_problem"
 
 stamp_file=$venv/.hvdtrain-setup.stamp
 extras=${EXTRAS:-}
-stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/sdist-check.sh" "$repo/scripts/owner-check.sh" "$repo/scripts/shared-install.sh" "$repo/scripts/horovod-patches.sh" \
-            "$horovod_patches/series" "${horovod_patch_files[@]}" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras-$engine
+stamp=$(cat "$0" "$repo/scripts/wheel-check.sh" "$repo/scripts/sdist-check.sh" "$repo/scripts/owner-check.sh" "$repo/scripts/shared-install.sh" \
+            "$repo/scripts/horovod-patches.sh" "$repo/scripts/torch-wheels.sh" "$horovod_patches/series" "${horovod_patch_files[@]}" \
+            "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)-$gpu_ops-${HVDTRAIN_SYSTEM_TORCH:-0}-$extras-$engine-$torch_build_wanted
 # verified_wheel: may a wheel built earlier be installed (a wheelhouse others can write to is refused)
 source "$repo/scripts/wheel-check.sh"
 # private_cache, checked_sdist: the cache setup builds in, and the sdist it builds, checked and copied
@@ -236,8 +252,23 @@ if [[ -n ${HVDTRAIN_SYSTEM_TORCH:-} ]]; then
     "$vpy" -c 'import torch, torchvision' 2>/dev/null || die "HVDTRAIN_SYSTEM_TORCH is set but torch/torchvision do not import"
     pip_install "${python_pins[@]}"
 else
-    log "installing ${torch_pins[*]} and Python packages"
-    pip_install "${torch_pins[@]}" "${python_pins[@]}"
+    # The build this venv was set up with (a venv from before the choice: the registry's, cuda).
+    build_marker=$venv/.hvdtrain-torch-build
+    previous_build=$(cat "$build_marker" 2>/dev/null || echo cuda)
+    if [[ $previous_build != "$torch_build_wanted" && -n $(torch_build "$vpy") ]]; then
+        mapfile -t replaced < <("$vpy" -m pip list --format=freeze 2>/dev/null | torch_build_packages)
+        log "replacing torch's $previous_build build with its $torch_build_wanted build: uninstalling ${replaced[*]}"
+        ((${#replaced[@]} == 0)) || "$vpy" -m pip uninstall -q -y "${replaced[@]}"
+    fi
+    from=""
+    [[ $torch_build_wanted != cpu ]] || from=" from $torch_cpu_index"
+    log "installing ${torch_pins[*]} (its $torch_build_wanted build$from) and Python packages"
+    pip_install "${torch_args[@]}"  # alone: PyTorch's index serves torch, not the other pins
+    pip_install "${python_pins[@]}"
+    installed_build=$(torch_build "$vpy")
+    [[ $torch_build_wanted != cpu || $installed_build == cpu ]] ||
+        die "asked for torch's CPU-only build, but $venv has its ${installed_build:-missing} build (pip install ${torch_args[*]})"
+    echo "$torch_build_wanted" >"$build_marker"
 fi
 [[ -z $extras ]] || log "installing extras: $extras"
 install_hvdtrain "$vpy" "$install_mode" "$extras"

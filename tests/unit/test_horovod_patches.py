@@ -202,7 +202,8 @@ def test_setup_and_the_image_and_device_builds_apply_the_series():
     assert "patch_id=$(horovod_series_id)" in SETUP and "wheel_key=horovod-$horovod_version-$patch_id-" in SETUP
     assert 'apply_horovod_series "$src"' in SETUP
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    assert dockerfile.count("COPY scripts/shared-install.sh scripts/horovod-patches.sh /opt/hvdtrain/src/scripts/") == 2
+    assert dockerfile.count("COPY scripts/shared-install.sh scripts/horovod-patches.sh scripts/torch-wheels.sh "
+                            "/opt/hvdtrain/src/scripts/") == 2  # what setup.sh sources
     assert dockerfile.count("COPY third_party /opt/hvdtrain/src/third_party") == 2
     device = (REPO / "benchmarks" / "gpu" / "setup_device.sh").read_text()
     assert 'source "$repo/scripts/horovod-patches.sh"' in device and "apply_horovod_series" in device
