@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union
 
 from . import outcome
 from .arguments import require_data_choice
@@ -219,7 +219,7 @@ class one_line_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback) -> Literal[False]:  # never swallows an exception
         if error is not None and isinstance(error, outcome.user_errors()):
             raise SystemExit(outcome.report_error(error)) from None
         return False

@@ -62,9 +62,9 @@ def apply_recipe(module: nn.Module, model: ModelConfig) -> nn.Module:
         zero_last_norms(module, model.arch)
     if model.head_init_std > 0:
         head = module.get_submodule(classifier_name(module))
-        nn.init.normal_(head.weight, 0.0, model.head_init_std)
+        nn.init.normal_(head.get_parameter("weight"), 0.0, model.head_init_std)
         if head.bias is not None:
-            nn.init.zeros_(head.bias)
+            nn.init.zeros_(head.get_parameter("bias"))
     if model.blurpool:
         if not add_blurpool(module):
             raise ConfigError(f"model.blurpool=true: {model.arch} has no convolution with stride > 1 and at least "
@@ -96,6 +96,8 @@ class BlurPoolConv2d(nn.Module):
     [1 2 1] x [1 2 1] / 16 blur at stride 1 before the wrapped strided convolution (Zhang 2019,
     "Making convolutional networks shift-invariant again"). The filter is a non-persistent buffer:
     state dicts hold the convolution only (under ``<name>.conv``)."""
+
+    blur_filter: torch.Tensor  # the buffer registered in __init__
 
     def __init__(self, conv: nn.Conv2d):
         super().__init__()

@@ -234,7 +234,10 @@ def fit_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str, a
     own = model.state_dict()
     head = classifier_name(model)
     param_names = {name for name, _ in model.named_parameters()}
-    loaded, replaced, missing, misfit = [], [], [], []
+    loaded: list[str] = []
+    replaced: list[str] = []
+    missing: list[str] = []
+    misfit: list[str] = []
     for key, value in own.items():
         source_value = state.get(key)
         if source_value is None:

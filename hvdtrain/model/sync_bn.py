@@ -86,7 +86,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        if self.training and self.track_running_stats:
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         if not self.training or dist.size() == 1:
             use_batch_stats = self.training or not self.track_running_stats
