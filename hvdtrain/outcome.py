@@ -3,6 +3,7 @@ job, one exit code per way a run stops, and the one-line cause that ``hvdtrain l
 
     0   finished                      2   bad configuration, data, task or checkpoint
     75  stopped after a checkpoint    1   a rank was lost, or a crash
+        (0 under torchrun and horovodrun, which call 75 a failure: stop_code)
     74  a checkpoint that had to be written did not fit on its disk (EX_IOERR: not for a blind retry)
     65  data files vanished: training files past data.max_bad_fraction or a tar shard (stopped after a
         checkpoint of the last good step), or validation files past it (after the epoch's training is
@@ -17,6 +18,7 @@ is imported.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -79,14 +81,43 @@ def report_error(error: Exception) -> int:
     return int(getattr(error, "exit_code", EXIT_BAD_INPUT))
 
 
+# Launchers that turn a rank's exit code other than 0 into their own 1 and a traceback, by the variable
+# they give every rank: torchrun's ChildFailedError, horovodrun's "Horovod detected that one or more
+# processes exited with non-zero status" (Gloo mode; hvdtrain launch and hvdtrain ray set
+# HVDTRAIN_LAUNCHER and return the codes, as mpirun and srun do).
+CODE_HIDING_LAUNCHERS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "horovodrun"))
+
+
+def code_hiding_launcher() -> str:
+    """The launcher of this rank that would report exit 75 as a failure with a traceback ("torchrun",
+    "horovodrun"), or "" where the code reaches the caller (hvdtrain launch, hvdtrain ray, mpirun,
+    srun, one process alone)."""
+    from .launch.records import LAUNCHER_VARIABLE
+
+    if os.environ.get(LAUNCHER_VARIABLE):
+        return ""
+    return next((name for variable, name in CODE_HIDING_LAUNCHERS if variable in os.environ), "")
+
+
 def stop_code(stop: Exception) -> int:
     """The exit code of a run that stopped early (run.Preempted: 75; run.JobStopped, e.g. a lost
-    rank: its own code), after its line where this rank is the one to say it."""
+    rank: its own code), after its line where this rank is the one to say it.
+
+    A stop after a checkpoint that the same command resumes (``resumable``) under torchrun or
+    horovodrun exits 0 instead, rank 0's last line saying it stopped: those launchers would turn 75
+    into their 1 and a traceback, and a stop is no failure."""
     if getattr(stop, "speak", False):
         print(stop, file=sys.stderr, flush=True)
     if getattr(stop, "speak", True):  # a preemption has no speaker: rank 0 logged it already
         note_cause(str(stop))
-    return int(getattr(stop, "exit_code"))
+    code = int(getattr(stop, "exit_code"))
+    hider = code_hiding_launcher()
+    if code == EXIT_PREEMPTED and getattr(stop, "resumable", False) and hider:
+        if launcher.rank() == 0:
+            print(f"hvdtrain: stopped after a checkpoint: run the same command to resume (exit 0: {hider} would "
+                  f"report exit 75 as a failure, with a traceback; hvdtrain launch and srun exit 75)", flush=True)
+        return EXIT_OK
+    return code
 
 
 def crash_cause(error: BaseException) -> None:
