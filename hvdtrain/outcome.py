@@ -19,6 +19,7 @@ is imported.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -63,22 +64,47 @@ def user_errors() -> tuple[type[Exception], ...]:
             + ((checkpoint.CheckpointError,) if checkpoint else ()))
 
 
+def ended_by_launcher(seconds: float) -> bool:
+    """Wait up to ``seconds`` for the launcher to end this rank; True where it did. A launcher ends
+    the other ranks with SIGTERM (torchrun, horovodrun; SIGINT, SIGUSR1 from others) once one rank
+    has exited with an error: that rank said why. A stop signal caught before the wait counts too."""
+    from .fault import signals
+
+    ended: list[int] = []
+    try:
+        before = {sig: signal.signal(sig, lambda signum, _frame: ended.append(signum)) for sig in signals.STOP_SIGNALS}
+    except ValueError:  # not the main thread: no handler of its own, a plain wait
+        time.sleep(seconds)
+        return False
+    try:
+        deadline = time.monotonic() + seconds
+        while not ended and signals.caught() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return bool(ended) or signals.caught() is not None
+
+
 def report_error(error: Exception) -> int:
     """One line on stderr, once per job; returns the exit code for bad input (2), or the error's own
     ``exit_code`` (65 for a data set's own files holding values that cannot be right: DamagedData).
 
     Errors that every rank hits alike (a bad config, a missing folder) would print once per rank;
-    ranks other than 0 wait a moment first, and the launcher ends them when rank 0 exits, so the
-    line from another rank only shows when that rank alone failed.
+    ranks other than 0 wait a moment first. When the launcher ends them meanwhile (rank 0 exited
+    and said why), they leave at once, quiet, with the same code; the line from another rank only
+    shows when that rank alone failed.
     """
     rank = launcher.rank()
+    code = int(getattr(error, "exit_code", EXIT_BAD_INPUT))
+    note_cause(f"error: {error}")
     if rank != 0:
-        time.sleep(PEER_PAUSE_SECONDS)
+        if ended_by_launcher(PEER_PAUSE_SECONDS):
+            return code
         print(f"hvdtrain: error on rank {rank} ({socket.gethostname()}): {error}", file=sys.stderr, flush=True)
     else:
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
-    note_cause(f"error: {error}")
-    return int(getattr(error, "exit_code", EXIT_BAD_INPUT))
+    return code
 
 
 # Launchers that turn a rank's exit code other than 0 into their own 1 and a traceback, by the variable

@@ -1,13 +1,15 @@
 """How a job ends under the raw launchers, torchrun (torch engine) and horovodrun (Horovod engine,
 Gloo), on 2 ranks: a stop after a checkpoint reads as a stop (exit 0, rank 0's last line says so and
-how to resume, the other rank quiet, no traceback). The parts that need no launch:
-tests/unit/test_raw_launchers.py."""
+how to resume, the other rank quiet, no traceback), and a config error is one line from rank 0 with
+exit 2 on every rank. The parts that need no launch: tests/unit/test_raw_launchers.py."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -51,3 +53,23 @@ def test_a_checkpointed_stop_exits_0_with_rank_0s_line_last_and_no_traceback(kin
         assert not [line for line in after if line.startswith("[1]")], output[-3000:]
     assert (run_dir / "checkpoints" / "last.pt").is_file()
 
+
+@pytest.mark.parametrize("kind", ["torchrun", "horovodrun-gloo"])
+def test_a_config_error_is_one_line_from_rank_0_and_exit_2_on_every_rank(kind, tiny_data, tmp_path):
+    program = ["-m", "hvdtrain", *tiny(tiny_data, tmp_path / "run", "train.epochs=abc", *ENGINE[kind])]
+    started = time.monotonic()
+    result = subprocess.run(launch_command(kind, 2, program), cwd=tmp_path, env=job_env(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    said = [line for line in lines_of(output) if "expects int, got 'abc'" in line]
+    assert said == [f"{PREFIX[kind].replace('stdout', 'stderr')}hvdtrain: error: config key 'train.epochs' expects "
+                    f"int, got 'abc'"], output[-3000:]
+    assert "error on rank" not in output and "hvdtrain/" not in output, output[-3000:]  # no rank's traceback
+    if kind == "torchrun":  # its failure report lists every rank's code
+        codes = re.findall(r"exitcode\s+:\s*(-?\d+)", output)  # not its log line "(exitcode: 2)"
+    else:
+        codes = [code for _, code in re.findall(r"Process (\d) exit with status code (-?\d+)\.", output)]
+    assert codes and len(codes) == 2 and set(codes) == {"2"}, output[-3000:]
+    # Not the other rank's 10 s wait for a line of its own (outcome.PEER_PAUSE_SECONDS).
+    assert elapsed < 60, f"{elapsed:.0f} s"

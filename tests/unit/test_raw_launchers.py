@@ -1,17 +1,26 @@
 """How a job ends under the raw launchers, torchrun and horovodrun, which turn any exit code but 0
-into their own 1 and a traceback.
+into their own 1 and a traceback, and end the other ranks with SIGTERM when one exits.
 
 A stop after a checkpoint reads as a stop: every rank exits 0 and rank 0's last line says it stopped
 and how to resume; where the code reaches the caller (hvdtrain launch, hvdtrain ray, mpirun, srun,
-one process) it stays 75. In process: the launchers' variables are set by hand
-(tests/parallel/test_raw_launchers.py launches for real)."""
+one process) it stays 75. An error every rank hits alike is one line from rank 0: another rank that
+the launcher ends while it waits leaves at once, quiet, with the same code. In process: the
+launchers' variables and signals are set by hand (tests/parallel/test_raw_launchers.py launches for
+real)."""
 
 from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
 
 import pytest
 
 from hvdtrain import cli, outcome
 from hvdtrain.comm import launcher_env
+from hvdtrain.config import ConfigError
 from hvdtrain.launch.records import LAUNCHER_VARIABLE
 from hvdtrain.train.stops import NoProgress, PeerLost, Preempted
 
@@ -117,3 +126,44 @@ def test_fit_ends_the_script_with_0_under_horovodrun(monkeypatch, capsys):
     assert ended.value.code == 0
     assert capsys.readouterr().out.endswith(LAST_LINE.format("horovodrun"))
 
+
+# --- an error every rank hits alike -----------------------------------------------------------------
+
+@pytest.fixture
+def caught_sigterm():
+    """SIGTERM recorded instead of ending pytest, as python -m hvdtrain catches it (fault/signals.py)."""
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+    yield got
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("env", [TORCHRUN, HOROVODRUN])
+def test_a_rank_the_launcher_ends_while_it_waits_leaves_at_once_quiet_with_the_same_code(env, monkeypatch, capsys,
+                                                                                          caught_sigterm):
+    under(monkeypatch, {**env, "RANK": "1", "HOROVOD_RANK": "1"})
+    handler = signal.getsignal(signal.SIGTERM)
+    # Rank 0 said why and exited 2; the launcher now ends this rank, 0.3 s into its 10 s wait.
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    assert outcome.report_error(ConfigError("config key 'train.epochs' expects int, got 'abc'")) == 2
+    assert time.monotonic() - started < 3
+    assert capsys.readouterr() == ("", "")
+    assert signal.getsignal(signal.SIGTERM) is handler and caught_sigterm == []  # the process's own handler back
+
+
+def test_a_rank_that_alone_failed_says_so_after_the_wait(monkeypatch, capsys, caught_sigterm):
+    under(monkeypatch, {**TORCHRUN, "RANK": "1"})
+    monkeypatch.setattr(outcome, "PEER_PAUSE_SECONDS", 0.2)
+    assert outcome.report_error(ConfigError("data.dir=/x does not exist on this host")) == 2
+    assert capsys.readouterr() == ("", f"hvdtrain: error on rank 1 ({socket.gethostname()}): data.dir=/x does not "
+                                       "exist on this host\n")
+
+
+def test_rank_0_says_it_at_once(monkeypatch, capsys):
+    under(monkeypatch, TORCHRUN)
+    monkeypatch.setattr(outcome, "PEER_PAUSE_SECONDS", 60)
+    started = time.monotonic()
+    assert outcome.report_error(ConfigError("config key 'train.epochs' expects int, got 'abc'")) == 2
+    assert time.monotonic() - started < 1
+    assert capsys.readouterr().err == "hvdtrain: error: config key 'train.epochs' expects int, got 'abc'\n"
