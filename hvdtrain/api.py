@@ -11,9 +11,9 @@ A script that calls ``fit`` runs under any launcher, as ``python -m hvdtrain`` d
 checkpoints, SIGTERM/SIGUSR1, the watchdog, metrics.jsonl and tensorboard behave exactly as there.
 It also ends the process the way the CLI does where the CLI would: one line and ``SystemExit(2)``
 for a bad config or task, ``SystemExit(75)`` after a preemption checkpoint (resume by running the
-script again; ``SystemExit(0)`` under torchrun and horovodrun, which would call 75 a failure),
-``SystemExit(1)`` when a rank is lost (the codes: outcome.py). The CLI (cli.py) is a thin layer
-over this module: its train and evaluate commands call ``train`` and ``evaluate_checkpoint_file``.
+script again), ``SystemExit(1)`` when a rank is lost (the codes: outcome.py). The CLI (cli.py) is a
+thin layer over this module: its train and evaluate commands call ``train`` and
+``evaluate_checkpoint_file``.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def fit_config(cfg: Config) -> FitResult:
 
         check_before_launch(cfg)  # what the ranks would refuse of the model, before Horovod starts
         code, run, last = train(cfg)
-        if code or run is None:  # a stop: 0 after a checkpoint under torchrun or horovodrun (outcome.stop_code)
+        if code:
             raise SystemExit(code)
         from .comm import dist  # loaded by the run
 

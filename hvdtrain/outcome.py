@@ -3,7 +3,6 @@ job, one exit code per way a run stops, and the one-line cause that ``hvdtrain l
 
     0   finished                      2   bad configuration, data, task or checkpoint
     75  stopped after a checkpoint    1   a rank was lost, or a crash
-        (0 under torchrun and horovodrun, which call 75 a failure: stop_code)
     74  a checkpoint that had to be written did not fit on its disk (EX_IOERR: not for a blind retry)
     65  data files vanished: training files past data.max_bad_fraction or a tar shard (stopped after a
         checkpoint of the last good step), or validation files past it (after the epoch's training is
@@ -18,8 +17,6 @@ is imported.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import sys
 import time
@@ -64,86 +61,32 @@ def user_errors() -> tuple[type[Exception], ...]:
             + ((checkpoint.CheckpointError,) if checkpoint else ()))
 
 
-def ended_by_launcher(seconds: float) -> bool:
-    """Wait up to ``seconds`` for the launcher to end this rank; True where it did. A launcher ends
-    the other ranks with SIGTERM (torchrun, horovodrun; SIGINT, SIGUSR1 from others) once one rank
-    has exited with an error: that rank said why. A stop signal caught before the wait counts too."""
-    from .fault import signals
-
-    ended: list[int] = []
-    try:
-        before = {sig: signal.signal(sig, lambda signum, _frame: ended.append(signum)) for sig in signals.STOP_SIGNALS}
-    except ValueError:  # not the main thread: no handler of its own, a plain wait
-        time.sleep(seconds)
-        return False
-    try:
-        deadline = time.monotonic() + seconds
-        while not ended and signals.caught() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-    return bool(ended) or signals.caught() is not None
-
-
 def report_error(error: Exception) -> int:
     """One line on stderr, once per job; returns the exit code for bad input (2), or the error's own
     ``exit_code`` (65 for a data set's own files holding values that cannot be right: DamagedData).
 
     Errors that every rank hits alike (a bad config, a missing folder) would print once per rank;
-    ranks other than 0 wait a moment first. When the launcher ends them meanwhile (rank 0 exited
-    and said why), they leave at once, quiet, with the same code; the line from another rank only
-    shows when that rank alone failed.
+    ranks other than 0 wait a moment first, and the launcher ends them when rank 0 exits, so the
+    line from another rank only shows when that rank alone failed.
     """
     rank = launcher.rank()
-    code = int(getattr(error, "exit_code", EXIT_BAD_INPUT))
-    note_cause(f"error: {error}")
     if rank != 0:
-        if ended_by_launcher(PEER_PAUSE_SECONDS):
-            return code
+        time.sleep(PEER_PAUSE_SECONDS)
         print(f"hvdtrain: error on rank {rank} ({socket.gethostname()}): {error}", file=sys.stderr, flush=True)
     else:
         print(f"hvdtrain: error: {error}", file=sys.stderr, flush=True)
-    return code
-
-
-# Launchers that turn a rank's exit code other than 0 into their own 1 and a traceback, by the variable
-# they give every rank: torchrun's ChildFailedError, horovodrun's "Horovod detected that one or more
-# processes exited with non-zero status" (Gloo mode; hvdtrain launch and hvdtrain ray set
-# HVDTRAIN_LAUNCHER and return the codes, as mpirun and srun do).
-CODE_HIDING_LAUNCHERS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "horovodrun"))
-
-
-def code_hiding_launcher() -> str:
-    """The launcher of this rank that would report exit 75 as a failure with a traceback ("torchrun",
-    "horovodrun"), or "" where the code reaches the caller (hvdtrain launch, hvdtrain ray, mpirun,
-    srun, one process alone)."""
-    from .launch.records import LAUNCHER_VARIABLE
-
-    if os.environ.get(LAUNCHER_VARIABLE):
-        return ""
-    return next((name for variable, name in CODE_HIDING_LAUNCHERS if variable in os.environ), "")
+    note_cause(f"error: {error}")
+    return int(getattr(error, "exit_code", EXIT_BAD_INPUT))
 
 
 def stop_code(stop: Exception) -> int:
     """The exit code of a run that stopped early (run.Preempted: 75; run.JobStopped, e.g. a lost
-    rank: its own code), after its line where this rank is the one to say it.
-
-    A stop after a checkpoint that the same command resumes (``resumable``) under torchrun or
-    horovodrun exits 0 instead, rank 0's last line saying it stopped: those launchers would turn 75
-    into their 1 and a traceback, and a stop is no failure."""
+    rank: its own code), after its line where this rank is the one to say it."""
     if getattr(stop, "speak", False):
         print(stop, file=sys.stderr, flush=True)
     if getattr(stop, "speak", True):  # a preemption has no speaker: rank 0 logged it already
         note_cause(str(stop))
-    code = int(getattr(stop, "exit_code"))
-    hider = code_hiding_launcher()
-    if code == EXIT_PREEMPTED and getattr(stop, "resumable", False) and hider:
-        if launcher.rank() == 0:
-            print(f"hvdtrain: stopped after a checkpoint: run the same command to resume (exit 0: {hider} would "
-                  f"report exit 75 as a failure, with a traceback; hvdtrain launch and srun exit 75)", flush=True)
-        return EXIT_OK
-    return code
+    return int(getattr(stop, "exit_code"))
 
 
 def crash_cause(error: BaseException) -> None:

@@ -212,7 +212,7 @@ def rank_pids(marker: str) -> dict[int, int]:
     """rank -> PID of the training processes whose argv has ``marker``."""
     found = {}
     for pid, environ in training_processes(marker).items():
-        for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):  # horovodrun, mpirun, torchrun
+        for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
             if key in environ:
                 found[int(environ[key])] = pid
     return found

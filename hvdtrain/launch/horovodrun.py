@@ -36,7 +36,6 @@ from ..fault import signals
 from ..train.preflight import adasum_problem, check_train_args, hvdtrain_train_args
 from .forwarding import RANK_VARIABLES, Forwarder, disposition, local_ranks  # noqa: F401
 from .records import (  # noqa: F401 - the records' names, here where they have always been found
-    LAUNCHER_VARIABLE,
     MEANINGS,
     MPIRUN_ABORT,
     RECORD,
@@ -268,7 +267,7 @@ def main(argv: list[str]) -> int:
 
 def launch(argv: list[str], token: str, records_folder: Path) -> int:
     """horovodrun with ``argv``, its output copied, the stop signals handed on: the code to return."""
-    env = {**os.environ, TOKEN_VARIABLE: token, RECORDS_VARIABLE: str(records_folder), LAUNCHER_VARIABLE: "launch"}
+    env = {**os.environ, TOKEN_VARIABLE: token, RECORDS_VARIABLE: str(records_folder)}
     env.pop(signals.TAKER_VARIABLE, None)  # this launcher's: its ranks are no helpers of it
     try:
         # horovodrun in a process group of its own: a terminal's Ctrl-C reaches this launcher alone,

@@ -15,7 +15,6 @@ import socket
 from dataclasses import dataclass
 
 from .. import outcome
-from .records import LAUNCHER_VARIABLE
 
 INSTALL_HINT = "Ray is not installed: pip install -e .[ray] (or make setup EXTRAS=ray)"
 EXIT_PREEMPTED = outcome.EXIT_PREEMPTED  # the one map (outcome.py; light: no torch on the driver)
@@ -166,7 +165,6 @@ def rank_env(slot: Slot, iface: str, rendezvous_addr: str, rendezvous_port: int,
         "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
         "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "PYTHONUNBUFFERED": "1",
-        LAUNCHER_VARIABLE: "ray",  # the ranks' exit codes are read, 75 included (outcome.code_hiding_launcher)
     }
     if iface:
         env["HOROVOD_GLOO_IFACE"] = env["NCCL_SOCKET_IFNAME"] = iface

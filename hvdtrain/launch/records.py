@@ -23,9 +23,6 @@ from typing import IO
 TOKEN_VARIABLE = "HVDTRAIN_LAUNCH_TOKEN"
 RECORDS_VARIABLE = "HVDTRAIN_LAUNCH_RECORDS"
 RECORD = "hvdtrain-exit"
-# Which of hvdtrain's own launchers started a rank ("launch", "ray"): they return the ranks' exit codes,
-# where torchrun and horovodrun turn any code but 0 into their own 1 and a traceback (outcome.py).
-LAUNCHER_VARIABLE = "HVDTRAIN_LAUNCHER"
 
 
 def exit_record(rank: int, code: int, cause: str) -> str | None:

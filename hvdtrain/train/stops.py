@@ -16,7 +16,6 @@ class Preempted(Exception):
     """Raised on every rank after a signal-triggered checkpoint; the CLI exits with EXIT_PREEMPTED."""
 
     exit_code = outcome.EXIT_PREEMPTED  # EX_TEMPFAIL: not finished, try again
-    resumable = True  # the same command resumes it: exit 0 where a launcher would call 75 a failure (outcome)
 
 
 class NoProgress(Preempted):
@@ -24,7 +23,6 @@ class NoProgress(Preempted):
     short for start-up and a step: fault/attempts.no_progress_line): exit 2, not requeued."""
 
     exit_code = outcome.EXIT_BAD_INPUT
-    resumable = False
 
 
 class LostRank(JobStopped):
