@@ -194,7 +194,7 @@ run_and_requeue() {
     local forward=$1
     shift
     prepare_stop_file
-    local child code=0 stopping=${stop_signal:-}
+    local child code=0 filter="" stopping=${stop_signal:-}
     stopped_by=""
     if [[ -n $stopping ]]; then
         stopped_by=$stopping
@@ -203,8 +203,7 @@ run_and_requeue() {
             "nothing to checkpoint, ending with 75" >&2
         code=75
     else
-        "$@" &
-        child=$!
+        start_command "$@"
         launched=$SECONDS
         # shellcheck disable=SC2064  # the child's pid and the signal, fixed now
         trap "on_stop TERM $forward $child" TERM
@@ -218,6 +217,8 @@ run_and_requeue() {
             wait "$child" && code=0 || code=$?
             ((interrupted)) || break  # a signal interrupts wait: wait again for the real exit code
         done
+        # The filter's last lines before this script's own (it ends once COMMAND's stderr closes).
+        [[ -z $filter ]] || wait "$filter" 2>/dev/null || true
     fi
     # The job is ending: a late signal changes nothing. Ignored, not trapped: the commands below
     # (scontrol, and the subshells they run in) inherit that, and survive the SIGTERM Slurm sends
@@ -265,6 +266,31 @@ run_and_requeue() {
         fi
     fi
     return "$code"
+}
+
+# COMMAND in the background (its PID: child). `quiet_stops=1 run_and_requeue ...` (srun): srun's
+# own line on ranks that stopped after a checkpoint ("srun: error: node1: tasks 0-1: Exited with
+# exit code 75", one per node) is left out of COMMAND's stderr, which this script's closing line
+# says better; every other line passes, as it comes (grep --line-buffered), a rank's exit code
+# other than 75 too. srun has no option for that line alone (-Q keeps errors, -QQ would hide all
+# of them). The filter ignores the SIGTERM Slurm sends every process of a job it cancels or
+# requeues from its first line on (srun would kill its ranks on a broken stderr), and ends when
+# COMMAND's stderr closes (PID: filter, waited for; none where bash gives no process
+# substitution's PID, before 4.4).
+start_command() {
+    local before=${!:-} errors
+    filter=""
+    if [[ -n ${quiet_stops:-} ]]; then
+        exec {errors}> >(trap '' TERM USR1 INT
+            LC_ALL=C exec grep -a --line-buffered -v -E '^srun: error: .*: tasks? [0-9,-]+: Exited with exit code 75$' >&2)
+        [[ ${!:-} == "$before" ]] || filter=$!
+        "$@" 2>&"$errors" &
+        child=$!
+        exec {errors}>&-
+    else
+        "$@" &
+        child=$!
+    fi
 }
 
 # A stop signal while COMMAND runs: said once, written to the stop file, handed to COMMAND; a repeat

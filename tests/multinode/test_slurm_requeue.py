@@ -114,7 +114,7 @@ def stop_job(cluster, job: str, how: str) -> None:
 def assert_quiet(text: str, finished: bool = True) -> None:
     """No mpirun abort block, no traceback and no closing line without its checkpoint anywhere, and,
     where the job ``finished``, no scheduler error after its last attempt started (a stopped
-    attempt has Slurm's own lines: CANCELLED, srun's word on its ranks' 75)."""
+    attempt has Slurm's own lines: CANCELLED, and under horovodrun mpirun's)."""
     for noise in ("Per user-direction", "saved to None", "Traceback", "partially initialized", "No such process"):
         assert noise not in text, f"{noise!r} in the job's log:\n{text}"
     last = text[text.rfind("(restart "):]
@@ -200,6 +200,7 @@ def test_a_cancelled_job_keeps_its_checkpoint_and_the_advised_command_continues_
     text = log.read_text()
     assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), f"{fields}\n{text}"
     assert "requeued" not in text.replace("not requeued", ""), text
+    assert "Exited with exit code 75" not in text, text  # srun's line: the script's own says more
     assert training_processes(str(tiny_data)) == {}, "a process of the cancelled attempt is still running"
     advice = re.search(r"to continue the run: sbatch \[the same options\] (\S+) (.*)$",
                        text[text.index(closing):].splitlines()[0])

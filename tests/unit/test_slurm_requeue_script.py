@@ -64,7 +64,8 @@ exit 0
 
 
 def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | None = None,
-          ticks: int = 100, early: bool = False, forward_after: int = 0, **extra: str) -> subprocess.Popen:
+          ticks: int = 100, early: bool = False, forward_after: int = 0, command_text: str = COMMAND,
+          quiet_stops: bool = False, **extra: str) -> subprocess.Popen:
     scontrol = tmp_path / "scontrol"
     scontrol.write_text(SCONTROL)
     scontrol.chmod(0o755)
@@ -76,11 +77,14 @@ def start(tmp_path: Path, code: int, restarts: int | None = None, most: int | No
     if most is not None:
         env["HVDTRAIN_MAX_REQUEUES"] = str(most)
     command = tmp_path / "command.sh"
-    command.write_text(COMMAND + "\n")
+    command.write_text(command_text + "\n")
     script = (f'set -euo pipefail; {EARLY if early else ""}source "{REQUEUE}"; '
               f'job_script=train.sbatch job_args=" --config debug"; '
-              f'forward_after={forward_after} run_and_requeue USR1 bash "{command}"')
-    return subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              f'{"quiet_stops=1 " if quiet_stops else ""}forward_after={forward_after} run_and_requeue USR1 '
+              f'bash "{command}"')
+    # A session of its own: a test may signal every process of the "job", as Slurm does.
+    return subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def log(tmp_path: Path) -> list[str]:
@@ -212,6 +216,47 @@ def test_a_stop_once_the_ranks_train_is_passed_to_them_within_their_first_minute
     assert log(tmp_path) == ["started", "got USR1", "stop file: USR1", "scontrol requeue 42"]
     assert "stop signal (SIGUSR1) received, passed to the ranks as SIGUSR1" in err, err
     assert "while the ranks start" not in err, err
+
+
+# srun standing in: ranks that stop after a checkpoint on SIGTERM or SIGUSR1, each rank's own line,
+# then srun's line per node on their exit codes (75 here, 2 for a rank that failed with QUIET_CODE).
+SRUN = """trap 'stop=1' TERM USR1; stop=0; echo started >> "$LOG"
+while ((stop == 0)); do sleep 0.1 & wait $! || true; done
+sleep 0.3 & wait $!  # the ranks' checkpoint
+echo "rank 0: stopped by SIGTERM; checkpoint saved to run/checkpoints/last.pt" >&2
+echo "srun: error: node7: tasks 0-1: Exited with exit code 75" >&2
+echo "srun: error: node8: task 3: Exited with exit code ${QUIET_CODE:-75}" >&2
+echo "rank 0: its last word" >&2
+exit 75"""
+
+
+def test_srun_s_line_on_a_checkpointed_stop_is_left_out_and_nothing_else(tmp_path):
+    """`scancel` as Slurm does it: SIGTERM to every process of the job, the filter included, which
+    must neither die (srun would kill its ranks on a broken stderr) nor hold back a rank's lines:
+    they come before the script's closing line. srun's "Exited with exit code 75" alone is left
+    out; a rank's other exit code is kept."""
+    for quiet_code in ("75", "2"):
+        (tmp_path / "log").unlink(missing_ok=True)
+        shell = start(tmp_path, code=0, command_text=SRUN, quiet_stops=True, QUIET_CODE=quiet_code)
+        wait_for_log(tmp_path, "started", shell)
+        os.killpg(shell.pid, signal.SIGTERM)
+        _, err = shell.communicate(timeout=30)
+        assert shell.returncode == 75, err
+        lines = err.splitlines()
+        closing = next(i for i, line in enumerate(lines) if "stopped after a checkpoint (exit 75)" in line)
+        assert lines.index("rank 0: its last word") < closing, err
+        assert "rank 0: stopped by SIGTERM; checkpoint saved to run/checkpoints/last.pt" in lines, err
+        assert "srun: error: node7: tasks 0-1: Exited with exit code 75" not in err, err
+        kept = "srun: error: node8: task 3: Exited with exit code 2"
+        assert (kept in lines) == (quiet_code == "2"), err
+        assert "Exited with exit code 75" not in err, err
+    # Without quiet_stops (the horovodrun script's launcher prints no such line): all of it.
+    (tmp_path / "log").unlink()
+    shell = start(tmp_path, code=0, command_text=SRUN)
+    wait_for_log(tmp_path, "started", shell)
+    shell.send_signal(signal.SIGTERM)
+    _, err = shell.communicate(timeout=30)
+    assert "srun: error: node7: tasks 0-1: Exited with exit code 75" in err, err
 
 
 def test_a_stop_before_the_ranks_start_requeues_with_nothing_started(tmp_path):
