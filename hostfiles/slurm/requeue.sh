@@ -30,7 +30,9 @@
 #          HVDTRAIN_MAX_REQUEUES times (default 20; SLURM_RESTART_COUNT counts them), then it ends 75.
 #        - anything else (SIGTERM from `scancel --signal=TERM`, or a Slurm that does not answer):
 #          a stop, not requeued; the line says how to continue.
-#        A stop that is not requeued ends the job with 75 (Slurm: FAILED 75:0, or CANCELLED).
+#        A stop that is not requeued ends the job with 75 (Slurm: FAILED 75:0, or CANCELLED), on
+#        purpose: the run is not finished, and a job ending 0 would read COMPLETED and release the
+#        jobs that wait on it with --dependency=afterok.
 #   else the job ends with that code: 0 finished, 2 bad configuration or data (or attempts that
 #        stop before a step, twice: hvdtrain says how long start-up and a step take, and what --time
 #        to ask for), 74 a disk too full for the checkpoint, 1 a crash. None of these is requeued: a

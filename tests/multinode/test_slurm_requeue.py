@@ -11,12 +11,13 @@ signals the batch shell and the waiting step and requeues the job itself): the r
 and exit 75, the job is requeued (the script says so only when Slurm has it), and it then
 finishes: COMPLETED with Restarts >= 1, its log holding both attempts and no scheduler error,
 attempts.jsonl both starts and ends, every epoch's train record the whole epoch, every metrics
-record its job and attempt. train.sbatch is also stopped twice in its first seconds (a clean 75, a
-requeue), and once more after the requeue: two attempts without a step end the job with the line
-that says so. A bad data.dir, or a package a file of the user's hides, ends the job with
-hvdtrain's own exit code 2, which is what Slurm records. (The other decisions, a preemption, the
-time limit itself, a SIGTERM Slurm does not explain, a slurmctld that does not answer: the script's
-unit tests, tests/unit/test_slurm_requeue_script.py.)
+record its job and attempt. A SIGTERM that asks for no requeue (`scancel --batch --signal=TERM`)
+ends the job FAILED 75:0, and a job waiting on it with afterok never runs. train.sbatch is also
+stopped twice in its first seconds (a clean 75, a requeue), and once more after the requeue: two
+attempts without a step end the job with the line that says so. A bad data.dir, or a package a
+file of the user's hides, ends the job with hvdtrain's own exit code 2, which is what Slurm
+records. (The other decisions, a preemption, the time limit itself, a slurmctld that does not
+answer: the script's unit tests, tests/unit/test_slurm_requeue_script.py.)
 """
 
 from __future__ import annotations
@@ -234,6 +235,47 @@ def test_a_cancelled_job_keeps_its_checkpoint_and_the_advised_command_continues_
     assert state == ("FAILED", "2:0", "0"), f"{fields}\n{text}"
     assert f"holds the run of Slurm job {second} (" in text and f"not of this job (Slurm job {third})" in text, text
     assert len(records(run_dir / "metrics.jsonl")) == len(metrics)  # nothing written
+
+
+@pytest.mark.slow
+def test_a_stop_that_asks_for_no_requeue_ends_failed_75_and_holds_back_afterok(slurm_cluster, tiny_data, tmp_path):
+    """`scancel --batch --signal=TERM` (a SIGTERM Slurm does not explain: no cancel, preemption or
+    time limit): the ranks checkpoint, the job is not requeued and ends FAILED 75:0, on purpose: a
+    job that waits on it with --dependency=afterok never starts on the unfinished run. srun's own
+    line on the 75 stays out of the log."""
+    run_dir = tmp_path / "run"
+    job = submit(slurm_cluster, "train.sbatch", TRAIN + [f"data.dir={tiny_data}", f"output.dir={run_dir}"], tmp_path)
+    log = tmp_path / f"slurm-{job}.out"
+    after = subprocess.run(["sbatch", "--parsable", f"--dependency=afterok:{job}", f"--output={tmp_path / 'after.out'}",
+                            "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=1", "--wrap=true"],
+                           cwd=tmp_path, env={**os.environ, **slurm_cluster.env()}, capture_output=True, text=True,
+                           timeout=60)
+    assert after.returncode == 0, after.stderr
+    waiting = after.stdout.strip().split(";")[0]
+    try:
+        wait_until(lambda: (run_dir / "checkpoints" / "step-00000002.pt").exists(), "epoch 1's step 2", 300,
+                   slurm_cluster, job, log)
+        subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm_cluster.env(), check=True)
+        fields = wait_for_end(slurm_cluster, job)
+        text = log.read_text()
+        state = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
+        assert state == ("FAILED", "75:0", "0"), f"{fields}\n{text}"
+        assert (f"hvdtrain: job {job} stopped after a checkpoint (exit 75) by SIGTERM, which asks for no requeue"
+                in text), text
+        assert f"output.dir={run_dir} checkpoint.resume={run_dir}/checkpoints/last.pt" in text, text
+        assert "Exited with exit code 75" not in text, text
+        stopped = records(run_dir / "attempts.jsonl")[-1]
+        assert (stopped["event"], stopped["exit"]) == ("end", 75) and stopped["step"] > 0, stopped
+
+        def held() -> bool:
+            shown = subprocess.run(["scontrol", "show", "job", waiting], env=slurm_cluster.env(), capture_output=True,
+                                   text=True).stdout
+            return "Reason=DependencyNeverSatisfied" in shown or "JobState=CANCELLED" in shown
+
+        wait_until(held, "the afterok job's DependencyNeverSatisfied", 120, slurm_cluster, waiting)
+        assert not (tmp_path / "after.out").exists()  # it never ran
+    finally:
+        subprocess.run(["scancel", waiting], env=slurm_cluster.env())
 
 
 def test_a_stop_in_the_first_seconds_requeues_and_a_job_that_cannot_progress_is_named(slurm_cluster, tiny_data,
