@@ -78,7 +78,7 @@ export_master() {
         export HVDTRAIN_JOB_SECRET
     fi
     if [[ -z ${MASTER_ADDR:-} ]]; then
-        first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -1) || first=""
+        first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | sed -n 1p) || first=""  # sed reads all: no SIGPIPE
         export MASTER_ADDR=${first:-$(hostname -s)}
     fi
     [[ -z ${MASTER_PORT:-} ]] || return 0
