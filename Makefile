@@ -13,7 +13,7 @@ ENGINE ?= $(if $(HVDTRAIN_ENGINE),$(HVDTRAIN_ENGINE),horovod)
 # libraries or triton, about 3.5 GB less); cuda, the default, runs with or without a GPU
 TORCH ?= $(HVDTRAIN_TORCH)
 
-.PHONY: setup demo lint test test-fast image test-image test-unit test-horovod bench clean
+.PHONY: setup demo lint test test-fast image test-image test-unit test-horovod bench bench-scaling clean
 
 # EXTRAS=ray,mlflow,... also installs optional integrations (pyproject.toml's optional-dependencies, pinned).
 setup:
@@ -65,6 +65,11 @@ test-image: image
 # hvdtrain vs a raw PyTorch loop and DDP, alternating (benchmarks/compare.py; ARGS="--rounds 5" etc.)
 bench: setup
 	$(PY) benchmarks/compare.py $(ARGS)
+
+# Two nodes over a rate-limited link against the link's limit (benchmarks/scaling.py; needs root for the
+# network namespaces; ARGS="--rates 0.25,1 --rounds 2"); writes runs/scaling/scaling.{json,md,png}
+bench-scaling: setup
+	$(PY) benchmarks/scaling.py $(ARGS)
 
 # The edit-run loop: the unit tests and one launched smoke test (train, checkpoint, resume, compare).
 test-fast: lint

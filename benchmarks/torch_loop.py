@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler (CUDA)")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--json", help="write the result here (rank 0)")
+    parser.add_argument("--fp16-hook", action="store_true",
+                        help="under torchrun: DDP with torch's fp16_compress_hook (gradients sent as float16)")
     parser.add_argument("--horovod", action="store_true",
                         help="under horovodrun: hvd.DistributedOptimizer instead of DDP (Horovod without hvdtrain)")
     args = parser.parse_args()
@@ -56,6 +58,10 @@ def main() -> None:
     model = models.get_model(args.arch, weights=None, num_classes=1000).to(device, memory_format=memory_format)
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        if args.fp16_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            model.register_comm_hook(None, fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4)
     if hvd:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -98,13 +104,15 @@ def main() -> None:
     total = args.steps * args.batch_size * world / seconds
     if rank == 0:
         print(f"torch_loop: {args.arch} {args.image_size}px, batch {args.batch_size}/rank x {world} ranks "
-              f"({'DDP' if distributed else 'Horovod' if hvd else 'one process'}), {device.type}, "
+              f"({'DDP' if distributed else 'Horovod' if hvd else 'one process'}"
+              f"{', fp16_compress_hook' if distributed and args.fp16_hook else ''}), {device.type}, "
               f"{args.threads} threads/rank")
         print(f"images_per_sec={total:.2f}", flush=True)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"images_per_sec": total, "world_size": world, "seconds": seconds, "steps": timed_steps,
-                           "samples": timed_steps * args.batch_size * world}, handle)
+                           "samples": timed_steps * args.batch_size * world,
+                           "fp16_hook": distributed and args.fp16_hook}, handle)
     if distributed:
         torch.distributed.destroy_process_group()
 
