@@ -42,9 +42,11 @@ def test_horovod_only_settings_are_refused_under_the_torch_engine_in_one_line(ke
     assert "\n" not in message and f"'{key}' needs {feature}," in message and "set dist.engine=horovod" in message
 
 
-def test_the_torch_engine_refuses_at_init_from_the_same_list():
+def test_the_torch_engine_refuses_at_init_from_the_same_list(monkeypatch):
     """A caller that skips the config (dist.init directly) meets the same line, from the same list."""
     from hvdtrain.comm import dist
+
+    monkeypatch.setattr(dist, "_engine", None)  # an earlier test in this process may run the Horovod engine
 
     for argument, key in (("elastic", "elastic.enabled"), ("timeline", "runtime.timeline"),
                           ("stall_shutdown_seconds", "dist.stall_shutdown_seconds")):
