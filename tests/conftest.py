@@ -101,6 +101,28 @@ def pytest_fixture_setup(fixturedef, request):
         _SESSION_DIRS.update(set(base.iterdir()) - before)
 
 
+@pytest.fixture
+def umask_022():
+    """The umask most accounts have, so that a mode a test reads is the code's choice, not 077's."""
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+@pytest.fixture
+def victim_scratch():
+    """A 1777 scratch folder with the second Unix user (tests/users.py) made, and the victim's home
+    in it: (folder, home). Skips where no second user can be made."""
+    from tests import users
+
+    if users.why_not():
+        pytest.skip(users.why_not())
+    users.user()
+    folder = users.scratch()
+    yield folder, users.victim_home(folder)
+    shutil.rmtree(folder)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Give every test the environment the one before it started with. Code under test sets

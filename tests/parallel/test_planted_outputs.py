@@ -10,7 +10,6 @@ tests/unit/test_security_resume.py."""
 from __future__ import annotations
 
 import json
-import shutil
 import stat
 from pathlib import Path
 
@@ -38,16 +37,8 @@ def private(path: Path) -> bool:
     return stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
 
 
-@pytest.fixture
-def scratch():
-    users.user()
-    folder = users.scratch()
-    yield folder, users.victim_home(folder)
-    shutil.rmtree(folder)
-
-
-def test_planted_run_folder_refused_own_folder_private_evaluate_writes_nowhere(scratch, tmp_path):
-    folder, home = scratch
+def test_planted_run_folder_refused_own_folder_private_evaluate_writes_nowhere(victim_scratch, tmp_path):
+    folder, home = victim_scratch
     users.as_user(users.ATTACKER, users.PLANT.format(home=home), cwd=folder)
 
     refused = job(tmp_path, folder / "run")

@@ -30,13 +30,6 @@ needs_users = pytest.mark.skipif(users.why_not() is not None, reason=str(users.w
 
 
 @pytest.fixture
-def umask_022():
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
-
-
-@pytest.fixture
 def attacker() -> int:
     """The uid of another user (who plants files); root is needed to act for them."""
     if users.why_not():

@@ -4,7 +4,6 @@ tests/parallel/test_planted_outputs.py runs the whole job once."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
 from pathlib import Path
@@ -25,13 +24,6 @@ needs_users = pytest.mark.skipif(users.why_not() is not None, reason=str(users.w
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
-
-
-@pytest.fixture
-def umask_022():
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
 
 
 @pytest.fixture

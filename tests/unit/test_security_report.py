@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -23,16 +22,6 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
-@pytest.fixture
-def scratch():
-    if users.why_not():
-        pytest.skip(users.why_not())
-    users.user()
-    folder = users.scratch()
-    yield folder, users.victim_home(folder)
-    shutil.rmtree(folder)
-
-
 def metrics_without_speed(run: Path, lines: int) -> None:
     run.mkdir(parents=True, exist_ok=True)
     record = {"split": "train", "epoch": 0, "loss": 1.0, "top1": 10.0, "lr": 0.1}
@@ -41,8 +30,8 @@ def metrics_without_speed(run: Path, lines: int) -> None:
             handle.write(json.dumps({**record, "epoch": epoch}) + "\n")
 
 
-def test_report_writes_into_no_one_elses_folder(scratch, capsys):
-    folder, home = scratch
+def test_report_writes_into_no_one_elses_folder(victim_scratch, capsys):
+    folder, home = victim_scratch
     users.as_user(users.ATTACKER, users.PLANT.format(home=home), cwd=folder)
     users.as_user(users.ATTACKER, 'echo \'{"split": "train", "epoch": 0, "loss": 1.0, "top1": 5.0}\' '
                                   '> run/metrics.real && rm run/metrics.jsonl && mv run/metrics.real run/metrics.jsonl',
@@ -82,10 +71,10 @@ def test_the_report_replaces_a_planted_link_in_ones_own_folder(tmp_path):
         report.report_folder(tmp_path / "run" / "report.png", given=False)
 
 
-def test_an_oversized_metrics_file_is_one_line_not_a_memory_error(scratch, capsys):
+def test_an_oversized_metrics_file_is_one_line_not_a_memory_error(victim_scratch, capsys):
     """Another user's run folder holds a 64 GiB sparse metrics.jsonl (no blocks on disk): refused before
     a byte is read, in one line; so is an oversized metrics_ranks.jsonl beside real metrics."""
-    folder, home = scratch
+    folder, home = victim_scratch
     users.as_user(users.ATTACKER, "mkdir -m 755 run && truncate -s 64G run/metrics.jsonl", cwd=folder)
     out = home / "reports" / "report.png"
     assert main(["report", str(folder / "run"), "--out", str(out)]) == 2

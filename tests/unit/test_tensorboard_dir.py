@@ -6,8 +6,6 @@ TensorBoard's own reader."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -23,13 +21,6 @@ from tests.helpers import tb_scalars
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
-
-
-@pytest.fixture
-def umask_022():
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
 
 
 def two_epochs(writer: MetricsWriter) -> None:
@@ -82,18 +73,8 @@ def test_a_folder_others_can_write_is_refused_with_the_run_folder_in_one_line(tm
     assert mode(tmp_path / "mine" / "tb") == 0o700  # made as tb/ is
 
 
-@pytest.fixture
-def scratch():
-    if users.why_not():
-        pytest.skip(users.why_not())
-    users.user()
-    folder = users.scratch()
-    yield folder, users.victim_home(folder)
-    shutil.rmtree(folder)
-
-
-def test_a_dashboard_folder_another_user_planted_or_linked_is_never_written(scratch, tmp_path):
-    folder, home = scratch
+def test_a_dashboard_folder_another_user_planted_or_linked_is_never_written(victim_scratch, tmp_path):
+    folder, home = victim_scratch
     # Her folder where the victim's dashboards would be, with a link where an event file could land,
     # and a link of hers to the victim's own folder.
     users.as_user(users.ATTACKER, f"mkdir -m 777 dash && ln -s {home}/notes.txt dash/events.out.tfevents.1 && "
