@@ -134,18 +134,18 @@ def loopback_name_problem(iface_variable: str = "", fix: str = "") -> str | None
     # hvdtrain ray names each node by its IP: a loopback IP there is a node on this machine. A name
     # (horovodrun's -H node1) is never taken as one: its resolving to loopback is what is checked.
     node = os.environ.get("HOROVOD_HOSTNAME", "")
-    if (meeting and _loopback(meeting)) or (_is_ip(node) and _loopback(node)):
+    if (meeting and _loopback(meeting)) or _loopback_ip(node):
         return None  # the ranks meet on loopback: every "host" is this machine, loopback reaches them
     address = name_loopback_address()
     return loopback_line(socket.gethostname(), address, fix) if address else None
 
 
-def _is_ip(text: str) -> bool:
+def _loopback_ip(text: str) -> bool:
+    """Whether ``text`` is a loopback IP address itself (a name is never resolved here)."""
     try:
-        ipaddress.ip_address(text)
+        return ipaddress.ip_address(text).is_loopback
     except ValueError:
         return False
-    return True
 
 
 def _loopback(name: str) -> bool:
